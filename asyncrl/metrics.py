@@ -1,0 +1,101 @@
+"""Metrics: TensorBoard scalars, the same scalars appended to ``RUN_DIR/metrics.jsonl``,
+``RUN_DIR/summary.json`` at the end, and a progress bar on the terminal.
+
+Every process writes its own TensorBoard subdirectory (``tb/<process>``) and tags its
+jsonl lines with the process name, so one run directory holds them all. Metric names are
+namespaced: ``train/loss``, ``eval/accuracy``, ``rollout/tokens_per_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+
+@dataclass
+class MetricsConfig:
+    tensorboard: bool = True
+    """Write TensorBoard event files under ``RUN_DIR/tb``."""
+    log_every: int = 1
+    """Log scalars every this many steps."""
+    progress_bar: bool = True
+    """Show a progress bar (on stderr) for long work."""
+
+
+class MetricsLogger:
+    """Scalars of one process; a no-op when ``enabled`` is false (non-main ranks)."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        process: str,
+        cfg: MetricsConfig,
+        enabled: bool = True,
+        total_steps: int | None = None,
+    ) -> None:
+        self.enabled = enabled
+        self.process = process
+        self.run_dir = Path(run_dir)
+        self.start = time.time()
+        self.writer = None
+        self.bar = None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(self.run_dir / "tb" / process))
+        if cfg.progress_bar and total_steps:
+            self.bar = tqdm(
+                total=total_steps,
+                desc=process,
+                file=sys.stderr,
+                dynamic_ncols=True,
+                mininterval=1.0,
+            )
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        record = {"process": self.process, "step": step, "time": round(time.time() - self.start, 3)}
+        record.update({k: float(v) for k, v in scalars.items()})
+        self.jsonl.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in scalars.items():
+                self.writer.add_scalar(key, float(value), step)
+
+    def progress(self, steps: int, postfix: dict[str, Any] | None = None) -> None:
+        if self.bar is not None:
+            self.bar.update(steps)
+            if postfix:
+                self.bar.set_postfix(postfix, refresh=False)
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        summary = {"wall_time_s": round(time.time() - self.start, 2), **summary}
+        tmp = self.run_dir / "summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        tmp.replace(self.run_dir / "summary.json")
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
+        self.jsonl.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,137 @@
+"""Models and tokenizers: one loading path for tiny and real Hugging Face causal LMs.
+
+The trainer, the evaluator and (later) the embedded engine all call ``load_model`` and
+``load_tokenizer`` on an HF directory. Tiny models for CPU work are built by
+``build_tiny_model``: a Qwen2-architecture config with random init and a character-level
+tokenizer made with the ``tokenizers`` library over the task's alphabet, both written
+with ``save_pretrained`` so they load exactly like a downloaded model. Nothing here
+touches the network.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from tokenizers import Tokenizer, decoders, models
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
+PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+
+
+@dataclass
+class TinyModelConfig:
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    num_layers: int = 4
+    """Number of decoder layers."""
+    num_heads: int = 4
+    """Attention heads (query)."""
+    num_kv_heads: int = 2
+    """Key/value heads (grouped-query attention when fewer than num_heads)."""
+    intermediate_size: int = 512
+    """Width of the MLP."""
+    max_positions: int = 512
+    """Longest sequence (prompt + completion) the model supports."""
+    seed: int = 0
+    """Seed of the random initialisation."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = "runs/models/tiny-qwen2"
+    """Hugging Face model directory (config, weights, tokenizer). Loaded offline."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype the parameters are kept in; GPU runs compute in bf16 through FSDP's policy."""
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    """Attention kernel passed to transformers."""
+    make_if_missing: bool = False
+    """Build a tiny random-init model at ``path`` (see ``tiny``) when it does not exist."""
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    """Shape of the tiny model built when ``make_if_missing`` applies."""
+
+
+def build_char_tokenizer(texts: Iterable[str]) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer over the characters of ``texts``.
+
+    A BPE model with an alphabet and no merges splits text into single characters, and
+    the Fuse decoder joins them back without inserting spaces.
+    """
+    alphabet = sorted(set("".join(texts)) | set("0123456789"))
+    vocab = {tok: i for i, tok in enumerate([PAD, EOS, UNK, *alphabet])}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=PAD,
+        eos_token=EOS,
+        unk_token=UNK,
+        padding_side="left",
+    )
+
+
+def build_tiny_model(out_dir: str | Path, texts: Iterable[str], spec: TinyModelConfig) -> Path:
+    """Write a random-init Qwen2 model and its char tokenizer to ``out_dir``; returns it."""
+    out_dir = Path(out_dir)
+    tokenizer = build_char_tokenizer(texts)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        use_sliding_window=False,
+    )
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    # Write to a temporary name and rename, so a crash never leaves a half model behind.
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> PreTrainedModel:
+    """Load the causal LM at ``cfg.path`` (no network)."""
+    path = Path(cfg.path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"no Hugging Face model at '{path}' (model.path); build one with "
+            f"tools/make_tiny_model.py or set model.make_if_missing=true"
+        )
+    dtype = getattr(torch, cfg.dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=dtype, attn_implementation=cfg.attn_implementation
+    )
+    return model.to(device)
+
+
+def model_config(path: str | Path) -> AutoConfig:
+    return AutoConfig.from_pretrained(str(path))

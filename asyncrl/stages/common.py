@@ -1,0 +1,50 @@
+"""What every stage's process does around its loop: read the resolved config from the run
+directory, join the trainer process group, pin threads and seeds, and always leave the
+group cleanly. A stage module exposes ``run(cfg, info)`` and calls ``stage_main(run)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncrl.config import load_json
+from asyncrl.trainer.dist import DistInfo, init_distributed, shutdown_distributed
+
+
+def threads_for(threads_per_rank: int, num_ranks: int) -> int:
+    """``threads_per_rank``, or the machine's cores shared among the ranks when it is 0."""
+    if threads_per_rank > 0:
+        return threads_per_rank
+    return max(1, (os.cpu_count() or 1) // max(num_ranks, 1))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def stage_main(run: Callable[[Any, DistInfo], Any], argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Run one trainer rank of a stage.")
+    parser.add_argument("--config", required=True, help="resolved config JSON in the run directory")
+    args = parser.parse_args(argv)
+    cfg = load_json(args.config)
+    torch.set_num_threads(threads_for(cfg.trainer.threads_per_rank, cfg.trainer.num_ranks))
+    seed_everything(cfg.seed)
+    info = init_distributed(cfg.trainer.device, str(Path(cfg.run_dir) / "rendezvous"))
+    try:
+        run(cfg, info)
+    except BaseException:
+        # Leave without the barrier: peers are torn down by the launcher.
+        sys.stderr.flush()
+        raise
+    shutdown_distributed()

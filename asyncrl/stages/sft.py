@@ -1,0 +1,230 @@
+"""Supervised fine-tuning: the first stage of the chain.
+
+Each trainer rank reads the task's train split as a deterministic, resumable stream,
+takes its token-balanced share of every global batch, packs it, and steps the FSDP2
+trainer core on the masked NLL of the completion tokens. Rank 0 evaluates greedy
+held-out accuracy, logs metrics, and exports the final weights as an HF directory that
+the RL stages start from. Run it with ``python launch/local.py experiments/tiny_sft.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+
+from asyncrl.algorithms.losses import sft_loss
+from asyncrl.evaluation import EvalConfig, greedy_accuracy
+from asyncrl.metrics import MetricsConfig, MetricsLogger
+from asyncrl.models import ModelConfig, build_tiny_model, load_model, load_tokenizer
+from asyncrl.stages.common import stage_main
+from asyncrl.tasks import Example, Task, TaskConfig, build_task
+from asyncrl.trainer.checkpoint import (
+    export_hf,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from asyncrl.trainer.config import OptimConfig, TrainerConfig
+from asyncrl.trainer.core import TrainerCore, barrier
+from asyncrl.trainer.dist import DistInfo, all_reduce_max
+from asyncrl.trainer.packing import TokenSequence, make_micro_batches, split_balanced
+
+
+@dataclass
+class SFTConfig:
+    batch_size: int = 64
+    """Sequences per optimizer step, over all ranks."""
+    max_steps: int = 300
+    """Optimizer steps of the stage."""
+    export_dir: str = ""
+    """Where the final HF checkpoint goes; empty means ``RUN_DIR/hf``."""
+
+
+@dataclass
+class SFTExperiment:
+    name: str = "sft"
+    """Experiment name; names the default run directory."""
+    run_dir: str = ""
+    """Run directory (config, logs, metrics, checkpoints); empty means ``runs/NAME-TIME``."""
+    seed: int = 0
+    """Seed of everything random in the run."""
+    time_limit_s: float = 0.0
+    """Stop after this many seconds of training (0: no limit); the run still exports."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    entry: ClassVar[str] = "asyncrl.stages.sft"
+    """Module whose ``main`` runs one trainer rank of this stage."""
+
+    def finalize(self) -> None:
+        """Derived values, computed here and nowhere else."""
+        if not self.run_dir:
+            self.run_dir = f"runs/{self.name}-{datetime.now():%Y%m%d-%H%M%S}"
+        if not self.sft.export_dir:
+            self.sft.export_dir = str(Path(self.run_dir) / "hf")
+        if self.optim.total_steps <= 0:
+            self.optim.total_steps = self.sft.max_steps
+
+
+class SFTData:
+    """Global batches of tokenized (prompt, completion) pairs, reshuffled every epoch.
+
+    Position ``p`` of the stream is example ``perm(epoch)[p mod N]``, so the stream is a
+    pure function of (seed, position) and resuming needs only the position.
+    """
+
+    def __init__(self, examples: list[Example], tokenizer, seed: int) -> None:
+        self.examples, self.tokenizer, self.seed = examples, tokenizer, seed
+        self._perms: dict[int, np.ndarray] = {}
+        self._cache: dict[int, TokenSequence] = {}
+
+    def _sequence(self, index: int) -> TokenSequence:
+        if index not in self._cache:
+            ex = self.examples[index]
+            prompt = self.tokenizer(ex.prompt, add_special_tokens=False)["input_ids"]
+            completion = self.tokenizer(ex.completion, add_special_tokens=False)["input_ids"]
+            completion = completion + [self.tokenizer.eos_token_id]
+            self._cache[index] = TokenSequence(
+                prompt + completion, [0] * len(prompt) + [1] * len(completion)
+            )
+        return self._cache[index]
+
+    def batch(self, position: int, size: int) -> list[TokenSequence]:
+        n = len(self.examples)
+        out = []
+        for p in range(position, position + size):
+            epoch = p // n
+            if epoch not in self._perms:
+                self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(n)
+            out.append(self._sequence(int(self._perms[epoch][p % n])))
+        return out
+
+
+def ensure_model(cfg: SFTExperiment, task: Task, info: DistInfo) -> None:
+    """Build the tiny model on rank 0 when the experiment asks for it and it is missing."""
+    if info.is_main and cfg.model.make_if_missing and not Path(cfg.model.path).exists():
+        texts = [
+            ex.prompt + (ex.completion or "")
+            for split in ("train", "eval")
+            for ex in task.examples(split)
+        ]
+        build_tiny_model(cfg.model.path, texts, cfg.model.tiny)
+    barrier()
+
+
+class Evaluator:
+    """Greedy held-out accuracy on rank 0, on a plain copy of the gathered weights."""
+
+    def __init__(self, cfg: SFTExperiment, task: Task, info: DistInfo) -> None:
+        self.cfg, self.task, self.info = cfg, task, info
+        self.model = load_model(cfg.model, info.device) if info.is_main else None
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.examples = list(task.examples("eval"))[: cfg.eval.num_examples]
+
+    def __call__(self, core: TrainerCore) -> dict[str, float]:
+        full = core.full_state_dict()  # a collective: every rank joins
+        result: dict[str, float] = {}
+        if self.info.is_main:
+            self.model.load_state_dict(full)
+            ev = self.cfg.eval
+            result = greedy_accuracy(
+                self.model,
+                self.tokenizer,
+                self.task,
+                self.examples,
+                ev.max_new_tokens,
+                ev.batch_size,
+            )
+        barrier()
+        return result
+
+
+def run(cfg: SFTExperiment, info: DistInfo) -> dict:
+    task = build_task(cfg.task)
+    ensure_model(cfg, task, info)
+    tokenizer = load_tokenizer(cfg.model.path)
+    core = TrainerCore(cfg.model, cfg.trainer, cfg.optim, info, tokenizer.pad_token_id)
+    data = SFTData(list(task.examples("train")), tokenizer, cfg.seed)
+    evaluate = Evaluator(cfg, task, info)
+    log = MetricsLogger(cfg.run_dir, "trainer", cfg.metrics, info.is_main, cfg.sft.max_steps)
+    ckpt_root = Path(cfg.run_dir) / "checkpoints"
+    position, accuracy = 0, {}
+    resume_from = latest_checkpoint(ckpt_root) if cfg.trainer.resume else None
+    if resume_from is not None:
+        position = load_checkpoint(core, resume_from)["position"]
+        log.progress(core.step)
+    elif cfg.eval.every_steps:
+        accuracy = evaluate(core)
+        log.log(0, accuracy)
+    initial_accuracy = accuracy.get("eval/accuracy")
+    start, stop = time.time(), False
+    while core.step < cfg.sft.max_steps and not stop:
+        # The RL step's shape: take a batch, take my share, pack, step, log.
+        batch = data.batch(position, cfg.sft.batch_size)
+        position += cfg.sft.batch_size
+        mine = split_balanced([len(s) for s in batch], info.world_size)[info.rank]
+        micro = make_micro_batches(
+            [batch[i] for i in mine],
+            cfg.trainer.micro_batch_tokens,
+            cfg.trainer.packing,
+            tokenizer.pad_token_id,
+            cfg.trainer.row_tokens,
+        )
+        stats = core.train_step(
+            micro, lambda logits, mb: sft_loss(logits, mb.input_ids, mb.loss_mask)
+        )
+        scalars = {
+            "train/loss": stats.loss,
+            "train/grad_norm": stats.grad_norm,
+            "train/lr": stats.lr,
+            "train/tokens_per_s": stats.tokens / stats.seconds,
+            "train/skipped_steps": float(stats.skipped),
+            **stats.metrics,
+        }
+        out_of_time = cfg.time_limit_s > 0 and time.time() - start > cfg.time_limit_s
+        stop = bool(all_reduce_max(int(out_of_time), info.device))
+        last = core.step >= cfg.sft.max_steps or stop
+        if cfg.eval.every_steps and (core.step % cfg.eval.every_steps == 0 or last):
+            accuracy = evaluate(core)
+            scalars.update(accuracy)
+        if core.step % cfg.metrics.log_every == 0 or last:
+            log.log(core.step, scalars)
+        log.progress(
+            1,
+            {
+                "loss": f"{stats.loss:.3f}",
+                **{k[5:]: f"{v:.2f}" for k, v in accuracy.items() if k == "eval/accuracy"},
+            },
+        )
+        every = cfg.trainer.checkpoint_every
+        if (every and core.step % every == 0) or last:
+            save_checkpoint(core, ckpt_root, {"position": position}, cfg.trainer.keep_checkpoints)
+    export_hf(core, cfg.sft.export_dir)
+    summary = {
+        "steps": core.step,
+        "train_time_s": round(time.time() - start, 2),
+        "initial_eval_accuracy": initial_accuracy,
+        "final_eval_accuracy": accuracy.get("eval/accuracy"),
+        "export_dir": cfg.sft.export_dir,
+    }
+    log.write_summary(summary)
+    log.close()
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    stage_main(run, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""Tasks: where prompts come from and how a completion is scored.
+
+A task yields ``Example``s (a templated prompt plus a reference answer, SFT target or
+preference pair) for a split, and turns a completion text into a reward in [0, 1]. SFT
+reads ``completion``, the evaluator scores greedy completions, and the buffer's reward
+workers call ``score``; a task is rebuilt from its ``TaskConfig`` in each worker, so it
+holds no live state that matters beyond that config. This module owns the config, the
+interface, prompt/completion templates, answer extraction and ``build_task``.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+Split = Literal["train", "eval"]
+
+
+class DataError(ValueError):
+    """A data file or row that cannot be used; the message names the file and line."""
+
+
+def _default_dataset_kwargs() -> dict[str, Any]:
+    # Two-term +/- sums of numbers up to 100: learnable by a tiny model in minutes.
+    return {
+        "min_terms": 2,
+        "max_terms": 2,
+        "min_digits": 1,
+        "max_digits": 2,
+        "operators": ["+", "-"],
+        "allow_parentheses": False,
+        "allow_negation": False,
+    }
+
+
+@dataclass
+class TaskConfig:
+    source: Literal["reasoning_gym", "jsonl"] = "reasoning_gym"
+    """Where examples come from: "reasoning_gym" (procedural, verified) or "jsonl" (files)."""
+    dataset: str = "basic_arithmetic"
+    """reasoning-gym dataset name (source="reasoning_gym")."""
+    dataset_kwargs: dict[str, Any] = field(default_factory=_default_dataset_kwargs)
+    """Passed to reasoning_gym.create_dataset; the default suits basic_arithmetic only,
+    so set it (e.g. to {}) when changing `dataset`."""
+    train_size: int = 20000
+    """Number of train examples (source="reasoning_gym")."""
+    eval_size: int = 200
+    """Number of held-out eval examples (source="reasoning_gym")."""
+    seed: int = 0
+    """Seed of the train split. reasoning-gym seeds item i with Random(seed + i)."""
+    eval_seed: int = 1_000_000_000
+    """Seed of the eval split; must be far from `seed` (see `seed`), checked at build."""
+    train_path: str | None = None
+    """JSONL file of train rows (source="jsonl")."""
+    eval_path: str | None = None
+    """JSONL file of eval rows (source="jsonl"); without it the eval split is an error."""
+    prompt_template: str = "{question}"
+    """str.format template for the prompt; {question} is the raw question / row prompt."""
+    completion_template: str = " {answer}"
+    """str.format template turning the reference {answer} into an SFT target completion."""
+    answer_pattern: str | None = r"-?\d+"
+    """Regex extracting the answer from a completion: last match, group 1 if the regex has a
+    group. None: the stripped completion is the answer. The default suits integer answers."""
+
+
+@dataclass(frozen=True)
+class Example:
+    """One prompt with whatever the consumers need; fields a row lacks are None."""
+
+    uid: str
+    """Stable id within the task, f"{split}:{index}" (jsonl: 1-based line number)."""
+    prompt: str
+    """The prompt, already templated."""
+    answer: str | None = None
+    """Reference answer, for scoring."""
+    completion: str | None = None
+    """SFT target completion."""
+    chosen: str | None = None
+    """Preferred completion of a preference pair."""
+    rejected: str | None = None
+    """Dispreferred completion of a preference pair."""
+    meta: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    """Whatever the scorer needs (reasoning-gym: the dataset entry and its index)."""
+
+
+class Task(Protocol):
+    """A source of examples and a reward function; built by ``build_task``."""
+
+    config: TaskConfig
+
+    @property
+    def name(self) -> str:
+        """A short name for logs and metrics, e.g. "reasoning_gym/basic_arithmetic"."""
+        ...
+
+    def examples(self, split: Split) -> Sequence[Example]:
+        """The split's examples: indexable, sized, the same for the same config anywhere."""
+        ...
+
+    def score(self, example: Example, completion: str) -> float:
+        """The reward of ``completion`` as an answer to ``example``, in [0, 1]."""
+        ...
+
+
+def extract_answer(text: str, pattern: str | None) -> str | None:
+    """The answer in ``text``: the last match of ``pattern`` (its group 1 if it has groups,
+    else the whole match), stripped; ``pattern=None`` takes the whole stripped text.
+    None when nothing matches or the answer is empty."""
+    if pattern is None:
+        answer = text.strip()
+    else:
+        matches = list(re.finditer(pattern, text))
+        if not matches:
+            return None
+        last = matches[-1]
+        answer = last.group(1) if last.re.groups else last.group(0)
+        # An optional group that did not take part in the match has no answer.
+        answer = answer.strip() if answer is not None else ""
+    return answer or None
+
+
+def check_template(template: str, name: str, fields: Sequence[str]) -> None:
+    """Fail now, with the template and field named, if ``template`` cannot be formatted
+    with exactly ``fields``; better at build time than on the first example."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as e:
+        raise ValueError(f"{name} {template!r} is not a valid str.format template: {e}") from e
+    for _, field_name, _, _ in parsed:
+        if field_name is None:
+            continue
+        root = re.split(r"[.\[]", field_name, maxsplit=1)[0]
+        if root not in fields:
+            allowed = ", ".join("{" + f + "}" for f in fields)
+            raise ValueError(
+                f"{name} {template!r} references unknown field {root!r}; available: {allowed}"
+            )
+    try:
+        template.format(**{f: "x" for f in fields})
+    except (ValueError, KeyError, IndexError, AttributeError) as e:
+        raise ValueError(f"{name} {template!r} cannot be formatted: {e}") from e
+
+
+def check_common(cfg: TaskConfig) -> None:
+    """Checks every source shares: templates and the answer pattern."""
+    check_template(cfg.prompt_template, "prompt_template", ["question"])
+    check_template(cfg.completion_template, "completion_template", ["answer"])
+    if cfg.answer_pattern is not None:
+        try:
+            re.compile(cfg.answer_pattern)
+        except re.error as e:
+            raise ValueError(f"answer_pattern {cfg.answer_pattern!r} is not a regex: {e}") from e
+
+
+def clamp_reward(value: float) -> float:
+    """``value`` clipped to [0, 1]; NaN counts as no reward."""
+    value = float(value)
+    if value != value:
+        return 0.0
+    return min(1.0, max(0.0, value))
+
+
+def build_task(cfg: TaskConfig) -> Task:
+    """The task ``cfg`` describes, with its config checked."""
+    # Imported here so that `import asyncrl.tasks` stays cheap: reasoning_gym takes ~2 s.
+    if cfg.source == "reasoning_gym":
+        from asyncrl.tasks.reasoning_gym import ReasoningGymTask
+
+        return ReasoningGymTask(cfg)
+    if cfg.source == "jsonl":
+        from asyncrl.tasks.jsonl import JsonlTask
+
+        return JsonlTask(cfg)
+    raise ValueError(f'TaskConfig.source {cfg.source!r} is not "reasoning_gym" or "jsonl"')

@@ -1,0 +1,57 @@
+"""Config dataclasses of the trainer core: placement, packing, checkpoints, optimizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    schedule: Literal["cosine", "constant"] = "cosine"
+    """Learning-rate schedule after warmup."""
+    warmup_steps: int = 10
+    """Linear warmup from 0 to ``lr`` over this many optimizer steps."""
+    min_lr_ratio: float = 0.1
+    """Floor of the cosine schedule as a fraction of ``lr``."""
+    total_steps: int = 0
+    """Steps the schedule spans; 0 means the stage's ``max_steps`` (set in ``finalize``)."""
+
+
+@dataclass
+class TrainerConfig:
+    num_ranks: int = 1
+    """Trainer processes (FSDP2 ranks) on this machine."""
+    threads_per_rank: int = 0
+    """torch intra-op threads per rank; 0 means the machine's cores divided among ranks."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the trainer computes; auto picks CUDA when available."""
+    micro_batch_tokens: int = 2048
+    """Token budget of one micro-batch (rows × row width)."""
+    row_tokens: int = 256
+    """Capacity of one packed row (first-fit decreasing). Attention cost grows with the
+    square of a row, so a few times the typical sequence is right; longer sequences get a
+    row of their own."""
+    packing: Literal["packed", "padded"] = "packed"
+    """``packed`` concatenates sequences with restarting position ids; ``padded`` pads rows
+    to the longest sequence (kept as a baseline for benchmarks and equivalence tests)."""
+    checkpoint_every: int = 0
+    """Write a checkpoint every this many steps (0: only at the end)."""
+    keep_checkpoints: int = 2
+    """How many of the newest checkpoints to keep."""
+    resume: bool = True
+    """Resume from the newest checkpoint in the run directory when there is one."""
+    max_nonfinite_steps: int = 5
+    """Stop the run after this many consecutive steps with a NaN/inf loss or gradient."""

@@ -1,0 +1,207 @@
+"""The trainer core: an FSDP2-sharded causal LM, AdamW, a schedule, and one optimizer step.
+
+Every stage (SFT, reward model, DPO, RL) drives the same ``TrainerCore``: it hands over
+its rank's micro-batches and a loss function, and the core runs forward/backward with
+gradient accumulation, normalizes by the *global* normalizer (summed over ranks) so the
+update does not depend on packing or rank count, clips, and steps. ``fully_shard`` wraps
+each decoder layer and then the root, on every run including a single rank.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from transformers import PreTrainedModel
+
+from asyncrl.models import ModelConfig, load_model
+from asyncrl.trainer.config import OptimConfig, TrainerConfig
+from asyncrl.trainer.dist import DistInfo, all_reduce_max, all_reduce_sum
+from asyncrl.trainer.packing import MicroBatch, dummy_micro_batch
+
+LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""``loss_fn(logits [rows, T, V], micro_batch) -> (loss_sum [], metric_sums)``.
+
+``loss_sum`` is the *sum* of per-token (or per-sequence) losses in this micro-batch; the
+core divides by the global normalizer. Metric values are sums too, reduced the same way.
+"""
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps with a NaN or infinite loss or gradient."""
+
+
+def lr_lambda(cfg: OptimConfig) -> Callable[[int], float]:
+    """Linear warmup to 1, then cosine (or constant) down to ``min_lr_ratio``."""
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "constant" or cfg.total_steps <= cfg.warmup_steps:
+            return 1.0
+        progress = min(1.0, (step - cfg.warmup_steps) / (cfg.total_steps - cfg.warmup_steps))
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine
+
+    return factor
+
+
+@dataclass
+class StepStats:
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens: int
+    """Tokens (all ranks) in this step's sequences."""
+    seconds: float
+    skipped: bool
+    metrics: dict[str, float]
+    """Global metric sums divided by the normalizer."""
+
+
+def shard_model(model: PreTrainedModel, info: DistInfo) -> PreTrainedModel:
+    """``fully_shard`` each decoder layer, then the root; bf16 compute on CUDA."""
+    policy = MixedPrecisionPolicy()
+    if info.device.type == "cuda":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    layer_types = set(getattr(model, "_no_split_modules", None) or [])
+    for module in model.modules():
+        if type(module).__name__ in layer_types:
+            fully_shard(module, mesh=info.mesh, mp_policy=policy)
+    fully_shard(model, mesh=info.mesh, mp_policy=policy)
+    return model
+
+
+class TrainerCore:
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        trainer_cfg: TrainerConfig,
+        optim_cfg: OptimConfig,
+        info: DistInfo,
+        pad_id: int,
+    ) -> None:
+        self.cfg, self.optim_cfg, self.info, self.pad_id = trainer_cfg, optim_cfg, info, pad_id
+        self.model = shard_model(load_model(model_cfg, info.device), info)
+        self.model_cfg = model_cfg
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=optim_cfg.lr,
+            betas=(optim_cfg.beta1, optim_cfg.beta2),
+            eps=optim_cfg.eps,
+            weight_decay=optim_cfg.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim_cfg))
+        self.step = 0
+        self.nonfinite_in_a_row = 0
+
+    def forward(self, mb: MicroBatch) -> torch.Tensor:
+        """Logits ``[rows, T, V]`` of one micro-batch (packed or padded)."""
+        out = self.model(
+            input_ids=mb.input_ids,
+            position_ids=mb.position_ids,
+            attention_mask=mb.attention_mask,
+            use_cache=False,  # with no cache, packed position ids give a block-diagonal mask
+        )
+        return out.logits
+
+    def _aligned(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
+        """Pad the list with empty micro-batches up to the largest count over ranks."""
+        count = all_reduce_max(len(micro_batches), self.info.device)
+        names = list(micro_batches[0].fields) if micro_batches else []
+        extra = [dummy_micro_batch(self.pad_id, names) for _ in range(count - len(micro_batches))]
+        return micro_batches + extra
+
+    def train_step(
+        self,
+        micro_batches: list[MicroBatch],
+        loss_fn: LossFn,
+        local_normalizer: float | None = None,
+    ) -> StepStats:
+        """One optimizer step over this rank's micro-batches.
+
+        ``local_normalizer`` defaults to this rank's loss-token count; the core sums it
+        over ranks, and the loss is ``Σ_ranks Σ_micro loss_sum / Σ_ranks normalizer``.
+        """
+        start = time.perf_counter()
+        if local_normalizer is None:
+            local_normalizer = float(sum(mb.loss_mask.sum().item() for mb in micro_batches))
+        local_tokens = sum(mb.num_tokens for mb in micro_batches)
+        normalizer, tokens = all_reduce_sum([local_normalizer, local_tokens], self.info.device)
+        # FSDP averages gradients over ranks; multiplying by world size turns that
+        # average into the sum that a global normalizer needs.
+        scale = self.info.world_size / max(normalizer, 1.0)
+        batches = self._aligned(micro_batches)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_total = torch.zeros((), dtype=torch.float64)
+        metric_sums: dict[str, float] = {}
+        for i, mb in enumerate(batches):
+            # Reduce-scatter gradients only after the last micro-batch.
+            self.model.set_requires_gradient_sync(i == len(batches) - 1)
+            mb = mb.to(self.info.device)
+            loss_sum, metrics = loss_fn(self.forward(mb), mb)
+            (loss_sum * scale).backward()
+            loss_total += loss_sum.detach().double().cpu()
+            for k, v in metrics.items():
+                metric_sums[k] = metric_sums.get(k, 0.0) + float(v)
+        grad_norm = self._clip()
+        keys = sorted(metric_sums)
+        summed = all_reduce_sum(
+            [loss_total.item(), *[metric_sums[k] for k in keys]], self.info.device
+        )
+        loss = summed[0] / max(normalizer, 1.0)
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        lr = self.scheduler.get_last_lr()[0]
+        if finite:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.step += 1
+            self.nonfinite_in_a_row = 0
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.nonfinite_in_a_row += 1
+            if self.nonfinite_in_a_row >= self.cfg.max_nonfinite_steps:
+                raise NonFiniteError(
+                    f"{self.nonfinite_in_a_row} consecutive steps had a non-finite loss or "
+                    f"gradient (loss={loss}, grad_norm={grad_norm}); stopping"
+                )
+        return StepStats(
+            loss=loss,
+            grad_norm=grad_norm,
+            lr=lr,
+            tokens=int(tokens),
+            seconds=time.perf_counter() - start,
+            skipped=not finite,
+            metrics={k: v / max(normalizer, 1.0) for k, v in zip(keys, summed[1:])},
+        )
+
+    def _clip(self) -> float:
+        max_norm = self.optim_cfg.max_grad_norm or float("inf")
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded CPU state dict on rank 0 (empty elsewhere). Every rank must call it."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.model, options=options)
+
+    @property
+    def fsdp_module(self) -> FSDPModule:
+        return self.model  # type: ignore[return-value]
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

@@ -1,0 +1,79 @@
+"""Process-group setup for trainer ranks.
+
+Ranks started by ``torchrun`` (or Slurm) find each other through the usual ``MASTER_ADDR``
+environment; ranks started by ``launch/local.py`` rendezvous through a file in the run
+directory, so no port is ever hard-coded. gloo on CPU, NCCL on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    device: torch.device
+    mesh: DeviceMesh
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def pick_device(preference: str) -> torch.device:
+    if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(
+    device_preference: str = "auto", rendezvous_file: str | None = None
+) -> DistInfo:
+    """Join (or create) the default process group and a 1-D mesh over all ranks."""
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    device = pick_device(device_preference)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        if "MASTER_ADDR" in os.environ:
+            init_method = "env://"
+        else:
+            if rendezvous_file is None:
+                raise RuntimeError("no MASTER_ADDR in the environment and no rendezvous file given")
+            init_method = f"file://{Path(rendezvous_file).resolve()}"
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    mesh = init_device_mesh(device.type, (world_size,))
+    return DistInfo(rank=rank, world_size=world_size, device=device, mesh=mesh)
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        # Without the barrier a fast rank can tear the group down under a slow one.
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """Sum a few scalars over all ranks in one collective."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_reduce_max(value: int, device: torch.device) -> int:
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())

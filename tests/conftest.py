@@ -1,0 +1,30 @@
+"""Shared fixtures: a tiny random-init Qwen2 model and its char tokenizer, built once."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl.models import TinyModelConfig, build_tiny_model
+from asyncrl.tasks import TaskConfig, build_task
+
+# Smaller than the demo's model so tests stay fast; same architecture and code path.
+TEST_MODEL = TinyModelConfig(
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=128,
+    max_positions=128,
+    seed=0,
+)
+
+
+@pytest.fixture(scope="session")
+def task():
+    return build_task(TaskConfig(train_size=2000, eval_size=50))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, task):
+    texts = [ex.prompt + ex.completion for ex in task.examples("train")]
+    return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", texts, TEST_MODEL))
