@@ -110,15 +110,20 @@ class SFTData:
         return out
 
 
+def build_model_for_task(path: str | Path, task: Task, cfg: ModelConfig) -> Path:
+    """A tiny random-init model whose char tokenizer covers every character of the task."""
+    texts = [
+        ex.prompt + (ex.completion or "")
+        for split in ("train", "eval")
+        for ex in task.examples(split)
+    ]
+    return build_tiny_model(path, texts, cfg.tiny)
+
+
 def ensure_model(cfg: SFTExperiment, task: Task, info: DistInfo) -> None:
     """Build the tiny model on rank 0 when the experiment asks for it and it is missing."""
     if info.is_main and cfg.model.make_if_missing and not Path(cfg.model.path).exists():
-        texts = [
-            ex.prompt + (ex.completion or "")
-            for split in ("train", "eval")
-            for ex in task.examples(split)
-        ]
-        build_tiny_model(cfg.model.path, texts, cfg.model.tiny)
+        build_model_for_task(cfg.model.path, task, cfg.model)
     barrier()
 
 

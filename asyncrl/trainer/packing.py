@@ -135,8 +135,9 @@ def make_micro_batches(
 
     ``packed``: sequences are packed first-fit decreasing into rows of ``row_tokens``
     (attention cost grows with the square of a row, so rows stay short and many), then
-    rows are stacked into micro-batches. ``padded``: one sequence per row with an
-    attention mask, the usual layout, kept as the baseline.
+    rows are stacked into micro-batches. ``padded``: one sequence per row, in arrival
+    order, padded to the longest in its micro-batch with an attention mask: the usual
+    layout, kept as the baseline.
     """
     if not seqs:
         return []
@@ -146,16 +147,15 @@ def make_micro_batches(
     if layout == "packed":
         bins = first_fit_decreasing([len(s) for s in seqs], row_tokens)
         rows = [[seqs[i] for i in sorted(b)] for b in bins]
+        rows.sort(key=lambda r: -sum(len(s) for s in r))  # widest first: little tail padding
     elif layout == "padded":
-        rows = [[s] for s in seqs]
+        rows = [[s] for s in seqs]  # arrival order, as a plain padded data loader has it
     else:
         raise ValueError(f"unknown layout {layout!r}")
-    # Widest rows first; cut whenever rows × widest row would exceed the budget.
-    rows.sort(key=lambda r: -sum(len(s) for s in r))
     groups: list[list[list[TokenSequence]]] = [[]]
     for row in rows:
         group = groups[-1]
-        width = sum(len(s) for s in group[0]) if group else sum(len(s) for s in row)
+        width = max([sum(len(s) for s in r) for r in group + [row]])
         if group and (len(group) + 1) * width > budget:
             groups.append([])
         groups[-1].append(row)
