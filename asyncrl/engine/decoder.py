@@ -1,0 +1,149 @@
+"""The embedded engine's forward pass: a Hugging Face Llama-family causal LM run over a
+preallocated slot KV cache.
+
+Supported: architectures whose decoder layers have the Llama layout — ``input_layernorm``,
+``self_attn.{q,k,v,o}_proj`` (with or without bias, optional ``q_norm``/``k_norm``),
+``post_attention_layernorm``, ``mlp`` — with rotary embeddings: Llama, Qwen2, Qwen3,
+Mistral (without sliding window). The layers' own modules (norms, projections, MLP,
+rotary embedding) do the math, so numerics follow transformers; only attention and the
+cache are ours. The cache is owned by ``KVCache``, apart from the weights, so the two
+weight buffers of a flip share one cache.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+
+@dataclass
+class KVCache:
+    """Keys and values of every slot: ``[layers, slots, kv_heads, max_len, head_dim]`` each."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def allocate(cls, model: PreTrainedModel, slots: int, max_len: int) -> KVCache:
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        shape = (cfg.num_hidden_layers, slots, cfg.num_key_value_heads, max_len, head_dim)
+        param = next(model.parameters())
+        return cls(
+            torch.zeros(shape, dtype=param.dtype, device=param.device),
+            torch.zeros(shape, dtype=param.dtype, device=param.device),
+        )
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+
+def check_supported(model: PreTrainedModel) -> None:
+    layer = model.model.layers[0]
+    needed = ["input_layernorm", "self_attn", "post_attention_layernorm", "mlp"]
+    missing = [n for n in needed if not hasattr(layer, n)]
+    if missing or not hasattr(model.model, "rotary_emb"):
+        raise NotImplementedError(
+            f"{type(model).__name__} does not have the Llama decoder layout the embedded "
+            f"engine runs (missing {missing or ['rotary_emb']})"
+        )
+    if getattr(model.config, "sliding_window", None) and getattr(
+        model.config, "use_sliding_window", False
+    ):
+        raise NotImplementedError(
+            "sliding-window attention is not supported by the embedded engine"
+        )
+
+
+class CachedDecoder:
+    """Prefill and decode over a ``KVCache`` with the weights of one HF model."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        check_supported(model)
+        self.model = model
+        self.apply_rope = importlib.import_module(type(model).__module__).apply_rotary_pos_emb
+
+    def _attention_inputs(self, layer, h: torch.Tensor, position_ids: torch.Tensor):
+        attn = layer.self_attn
+        n, length, _ = h.shape
+        head_dim = attn.head_dim
+        q = attn.q_proj(h).view(n, length, -1, head_dim)
+        k = attn.k_proj(h).view(n, length, -1, head_dim)
+        v = attn.v_proj(h).view(n, length, -1, head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3 normalizes q and k per head before rotary
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        cos, sin = self.model.model.rotary_emb(v, position_ids)
+        q, k = self.apply_rope(q, k, cos, sin)
+        return q, k, v
+
+    def _finish_layer(self, layer, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        n, _, length, _ = attn_out.shape
+        x = x + layer.self_attn.o_proj(attn_out.transpose(1, 2).reshape(n, length, -1))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.model.model.norm(x)).float()
+
+    @torch.no_grad()
+    def prefill(
+        self, cache: KVCache, slots: list[int], sequences: list[list[int]], all_logits: bool = False
+    ) -> torch.Tensor:
+        """Write K/V of ``sequences`` (positions from 0) into ``slots``.
+
+        Sequences are right-padded to the longest, so causal attention alone keeps real
+        tokens clear of the padding. Returns logits ``[n, V]`` at each sequence's last
+        token, or ``[n, L, V]`` for every position when ``all_logits``.
+        """
+        device = cache.k.device
+        lengths = torch.tensor([len(s) for s in sequences], device=device)
+        width = int(lengths.max())
+        ids = torch.zeros(len(sequences), width, dtype=torch.long, device=device)
+        for i, s in enumerate(sequences):
+            ids[i, : len(s)] = torch.tensor(s, device=device)
+        positions = torch.arange(width, device=device)[None].expand(len(sequences), width)
+        slot_index = torch.tensor(slots, device=device)
+        x = self.model.model.embed_tokens(ids)
+        for i, layer in enumerate(self.model.model.layers):
+            q, k, v = self._attention_inputs(layer, layer.input_layernorm(x), positions)
+            # Padding K/V land past each sequence's length, where decode masks them out
+            # and later overwrites them.
+            cache.k[i, slot_index, :, :width] = k
+            cache.v[i, slot_index, :, :width] = v
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=layer.self_attn.scaling, enable_gqa=True
+            )
+            x = self._finish_layer(layer, x, out)
+        if all_logits:
+            return self._logits(x)
+        last = x[torch.arange(len(sequences), device=device), lengths - 1]
+        return self._logits(last)
+
+    @torch.no_grad()
+    def decode(
+        self, cache: KVCache, slots: list[int], tokens: list[int], positions: list[int]
+    ) -> torch.Tensor:
+        """One token per slot at the given positions; returns logits ``[n, V]``."""
+        device = cache.k.device
+        slot_index = torch.tensor(slots, device=device)
+        pos = torch.tensor(positions, device=device)
+        span = int(pos.max()) + 1
+        # [n, 1, 1, span]: each slot sees its own cached tokens and the new one.
+        mask = (torch.arange(span, device=device)[None] <= pos[:, None])[:, None, None, :]
+        x = self.model.model.embed_tokens(torch.tensor(tokens, device=device)[:, None])
+        for i, layer in enumerate(self.model.model.layers):
+            q, k, v = self._attention_inputs(layer, layer.input_layernorm(x), pos[:, None])
+            cache.k[i, slot_index, :, pos] = k[:, :, 0]
+            cache.v[i, slot_index, :, pos] = v[:, :, 0]
+            keys = cache.k[i, slot_index, :, :span]
+            values = cache.v[i, slot_index, :, :span]
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, scale=layer.self_attn.scaling, enable_gqa=True
+            )
+            x = self._finish_layer(layer, x, out)
+        return self._logits(x[:, 0])

@@ -1,0 +1,275 @@
+"""The embedded engine: asyncrl's own torch inference engine (DESIGN §8).
+
+Continuous batching over a preallocated slot KV cache: requests wait in a queue, join
+the running batch between steps (newly admitted prompts are prefilled together) and
+leave it when they finish or are aborted, returning their slot. Each step gives every
+running request one token with its behavior logprob and the version of the weights that
+produced it.
+
+Weights are double-buffered (DESIGN §5): ``stage_weights`` hands a state dict to a
+background thread that copies it into the idle copy of the model while decoding goes on
+with the active one; the next ``step`` swaps the two by reference, so a flip costs no
+copy on the decode path. In-flight sequences then follow ``flip_policy``: ``recompute``
+re-prefills their tokens under the new weights (AReaL's interruptible generation),
+``keep`` continues on the old cache.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from asyncrl.engine.base import Finished, GeneratedToken, Request, StepOutput
+from asyncrl.engine.decoder import CachedDecoder, KVCache
+from asyncrl.engine.sampling import sample
+from asyncrl.models import ModelConfig, load_model
+
+
+@dataclass
+class EngineConfig:
+    max_slots: int = 64
+    """Sequences decoded together (KV-cache slots)."""
+    max_seq_len: int = 0
+    """Longest prompt + completion; 0 means the model's ``max_position_embeddings``."""
+    max_prefill_tokens: int = 2048
+    """Prompt tokens admitted (prefilled) in one step."""
+    flip_policy: Literal["recompute", "keep"] = "recompute"
+    """What in-flight sequences do when new weights are flipped in."""
+    threads: int = 0
+    """torch intra-op threads; 0 leaves torch's default."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the engine runs; auto picks CUDA when available."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of weights and KV cache."""
+
+
+@dataclass
+class _Sequence:
+    request: Request
+    slot: int
+    tokens: list[int]
+    """Prompt then generated tokens; K/V of all but the last are in the cache."""
+    generator: torch.Generator | None
+    generated: int = 0
+
+
+@dataclass
+class _Counters:
+    steps: int = 0
+    tokens: int = 0
+    prefill_tokens: int = 0
+    finished: int = 0
+    aborted: int = 0
+    flips: int = 0
+    recomputed_tokens: int = 0
+    last_step_ms: float = 0.0
+    reasons: dict[str, int] = field(default_factory=dict)
+
+
+class EmbeddedEngine:
+    def __init__(self, model_path: str, cfg: EngineConfig | None = None, version: int = 0) -> None:
+        self.cfg = cfg = cfg or EngineConfig()
+        if cfg.threads > 0:
+            torch.set_num_threads(cfg.threads)
+        use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+        self.device = torch.device("cuda" if use_cuda else "cpu")
+        model_cfg = ModelConfig(path=model_path, dtype=cfg.dtype)
+        # Two copies of the weights: the active one decodes, the idle one receives updates.
+        self._active = CachedDecoder(load_model(model_cfg, self.device).eval())
+        self._idle = CachedDecoder(load_model(model_cfg, self.device).eval())
+        config = self._active.model.config
+        self.max_seq_len = cfg.max_seq_len or config.max_position_embeddings
+        self.cache = KVCache.allocate(self._active.model, cfg.max_slots, self.max_seq_len)
+        eos = self._active.model.generation_config.eos_token_id
+        if eos is None:
+            eos = config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.version = version
+        self.free_slots = list(range(cfg.max_slots - 1, -1, -1))
+        self.running: dict[str, _Sequence] = {}
+        self.waiting: deque[Request] = deque()
+        self._aborted: list[Finished] = []
+        self.counters = _Counters()
+        # Staging: the newest offered weights wait in _incoming; the thread copies them
+        # into the idle buffer and sets _ready; step() flips and clears it.
+        self._cond = threading.Condition()
+        self._incoming: tuple[Mapping[str, torch.Tensor], int] | None = None
+        self._ready: int | None = None
+        self._closed = False
+        self._stager = threading.Thread(target=self._stage_loop, name="weight-stager", daemon=True)
+        self._stager.start()
+
+    # ---- the interface -------------------------------------------------------------
+    def submit(self, request: Request) -> None:
+        if not request.prompt_ids:
+            raise ValueError(f"request {request.request_id!r}: empty prompt")
+        if len(request.prompt_ids) >= self.max_seq_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt of {len(request.prompt_ids)} tokens does "
+                f"not fit max_seq_len={self.max_seq_len}"
+            )
+        if request.request_id in self.running or any(
+            r.request_id == request.request_id for r in self.waiting
+        ):
+            raise ValueError(f"request {request.request_id!r} is already queued or running")
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> None:
+        seq = self.running.pop(request_id, None)
+        if seq is not None:
+            self.free_slots.append(seq.slot)
+            self._aborted.append(Finished(request_id, "abort", seq.generated))
+        else:
+            queued = [r for r in self.waiting if r.request_id == request_id]
+            if not queued:
+                return  # already finished: nothing to free
+            self.waiting.remove(queued[0])
+            self._aborted.append(Finished(request_id, "abort", 0))
+        self.counters.aborted += 1
+
+    def stage_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        expected = {name: p.shape for name, p in self._idle.model.named_parameters()}
+        unknown = sorted(set(state_dict) - set(expected))
+        missing = sorted(set(expected) - set(state_dict))
+        wrong = sorted(
+            n for n in expected if n in state_dict and state_dict[n].shape != expected[n]
+        )
+        if unknown or missing or wrong:
+            raise ValueError(
+                f"weights v{version} do not fit the model: unknown {unknown[:3]}, "
+                f"missing {missing[:3]}, wrong shape {wrong[:3]}"
+            )
+        with self._cond:
+            self._incoming = (state_dict, version)  # a newer offer replaces an unstarted one
+            self._cond.notify_all()
+
+    def step(self) -> StepOutput:
+        start = time.perf_counter()
+        self._maybe_flip()
+        tokens: list[GeneratedToken] = []
+        finished, self._aborted = self._aborted, []
+        decoding = list(self.running.values())
+        admitted = self._admit()
+        if decoding:
+            logits = self._active.decode(
+                self.cache, [s.slot for s in decoding], [s.tokens[-1] for s in decoding],
+                [len(s.tokens) - 1 for s in decoding],
+            )  # fmt: skip
+            self._emit(decoding, logits, tokens, finished)
+        if admitted:
+            logits = self._active.prefill(
+                self.cache, [s.slot for s in admitted], [s.tokens for s in admitted]
+            )
+            self.counters.prefill_tokens += sum(len(s.tokens) for s in admitted)
+            self._emit(admitted, logits, tokens, finished)
+        self.counters.steps += 1
+        self.counters.tokens += len(tokens)
+        self.counters.last_step_ms = (time.perf_counter() - start) * 1000
+        return StepOutput(tokens=tokens, finished=finished, version=self.version)
+
+    def stats(self) -> dict[str, float]:
+        c = self.counters
+        return {
+            "engine/running": len(self.running),
+            "engine/waiting": len(self.waiting),
+            "engine/free_slots": len(self.free_slots),
+            "engine/version": self.version,
+            "engine/steps": c.steps,
+            "engine/tokens": c.tokens,
+            "engine/prefill_tokens": c.prefill_tokens,
+            "engine/finished": c.finished,
+            "engine/aborted": c.aborted,
+            "engine/flips": c.flips,
+            "engine/recomputed_tokens": c.recomputed_tokens,
+            "engine/last_step_ms": c.last_step_ms,
+        }
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._stager.join(timeout=5)
+
+    # ---- internals -----------------------------------------------------------------
+    def _admit(self) -> list[_Sequence]:
+        admitted, budget = [], self.cfg.max_prefill_tokens
+        while self.waiting and self.free_slots:
+            req = self.waiting[0]
+            if admitted and len(req.prompt_ids) > budget:
+                break
+            self.waiting.popleft()
+            budget -= len(req.prompt_ids)
+            generator = None
+            if req.params.seed is not None:
+                generator = torch.Generator(device=self.device).manual_seed(req.params.seed)
+            seq = _Sequence(req, self.free_slots.pop(), list(req.prompt_ids), generator)
+            self.running[req.request_id] = seq
+            admitted.append(seq)
+        return admitted
+
+    def _emit(
+        self, seqs: list[_Sequence], logits: torch.Tensor, tokens: list, finished: list
+    ) -> None:
+        ids, logprobs = sample(
+            logits, [s.request.params for s in seqs], [s.generator for s in seqs]
+        )
+        for seq, token, logprob in zip(seqs, ids, logprobs):
+            seq.tokens.append(token)
+            seq.generated += 1
+            tokens.append(GeneratedToken(seq.request.request_id, token, logprob, self.version))
+            params = seq.request.params
+            reason = None
+            if token in self.eos_ids:
+                reason = "eos"
+            elif token in params.stop_token_ids:
+                reason = "stop"
+            elif seq.generated >= params.max_new_tokens or len(seq.tokens) >= self.max_seq_len:
+                reason = "length"
+            if reason is not None:
+                del self.running[seq.request.request_id]
+                self.free_slots.append(seq.slot)
+                finished.append(Finished(seq.request.request_id, reason, seq.generated))
+                self.counters.finished += 1
+                self.counters.reasons[reason] = self.counters.reasons.get(reason, 0) + 1
+
+    def _stage_loop(self) -> None:
+        while True:
+            with self._cond:
+                # Wait for an offer, and for the previous staged version to be flipped in
+                # (the idle buffer is only free once it has become the active one's spare).
+                self._cond.wait_for(
+                    lambda: self._closed or (self._incoming is not None and self._ready is None)
+                )
+                if self._closed:
+                    return
+                state_dict, version = self._incoming
+                self._incoming = None
+                target = self._idle
+            with torch.no_grad():
+                params = dict(target.model.named_parameters())
+                for name, tensor in state_dict.items():
+                    params[name].copy_(tensor, non_blocking=True)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            with self._cond:
+                self._ready = version
+
+    def _maybe_flip(self) -> None:
+        if self._ready is None:
+            return
+        with self._cond:
+            self._active, self._idle = self._idle, self._active
+            self.version, self._ready = self._ready, None
+            self._cond.notify_all()
+        self.counters.flips += 1
+        if self.cfg.flip_policy == "recompute" and self.running:
+            seqs = list(self.running.values())
+            # Recompute K/V of every cached token (all but the last) under the new weights.
+            self._active.prefill(self.cache, [s.slot for s in seqs], [s.tokens[:-1] for s in seqs])
+            self.counters.recomputed_tokens += sum(len(s.tokens) - 1 for s in seqs)

@@ -1,0 +1,268 @@
+"""The embedded engine against transformers and against the trainer: logits, greedy
+generation, behavior logprobs, weight flips, abort, and no leaks."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from asyncrl.engine.base import Request, SamplingParams
+from asyncrl.engine.embedded import EmbeddedEngine, EngineConfig
+from asyncrl.models import ModelConfig, load_model, load_tokenizer
+from asyncrl.trainer.logprobs import token_logprobs
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory, tiny_model_dir):
+    """A random Llama with another head layout: full multi-head attention, head_dim 24
+    (not hidden / heads), no attention bias, a different rope base."""
+    vocab = load_model(ModelConfig(path=tiny_model_dir)).config.vocab_size
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        num_key_value_heads=3,
+        head_dim=24,
+        max_position_embeddings=128,
+        rope_theta=500.0,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(1)
+    path = tmp_path_factory.mktemp("llama") / "llama"
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    load_tokenizer(tiny_model_dir).save_pretrained(path)
+    return str(path)
+
+
+def collect(out, tokens: dict, finished: dict) -> None:
+    for t in out.tokens:
+        tokens.setdefault(t.request_id, []).append(t)
+    for f in out.finished:
+        assert f.request_id not in finished, f"{f.request_id} finished twice"
+        finished[f.request_id] = f
+
+
+def run_all(engine: EmbeddedEngine, tokens=None, finished=None, max_steps: int = 10_000):
+    """Step until idle; returns {request_id: [GeneratedToken]} and {request_id: Finished}."""
+    tokens = {} if tokens is None else tokens
+    finished = {} if finished is None else finished
+    for _ in range(max_steps):
+        if not (engine.running or engine.waiting or engine._aborted):
+            break
+        collect(engine.step(), tokens, finished)
+    return tokens, finished
+
+
+def wait_staged(engine: EmbeddedEngine, timeout: float = 30.0) -> None:
+    deadline = time.time() + timeout
+    while engine._ready is None:
+        assert time.time() < deadline, "weights were never staged"
+        time.sleep(0.005)
+
+
+def random_sequences(vocab: int, n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(3, 30))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("which", ["qwen2", "llama"])
+def test_logits_equal_transformers(which, tiny_model_dir, llama_dir):
+    path = tiny_model_dir if which == "qwen2" else llama_dir
+    engine = EmbeddedEngine(path, EngineConfig(max_slots=4, max_seq_len=64))
+    hf = load_model(ModelConfig(path=path)).eval()
+    seqs = random_sequences(hf.config.vocab_size, 3, seed=7)
+    split = [len(s) // 2 for s in seqs]
+    with torch.no_grad():
+        refs = [hf(torch.tensor([s]), use_cache=False).logits[0] for s in seqs]
+        # Prefill the first halves together (padded batch), then decode the rest together.
+        pre = engine._active.prefill(
+            engine.cache, [2, 0, 3], [s[:k] for s, k in zip(seqs, split)], all_logits=True
+        )
+        ours = [[pre[i, : split[i]]] for i in range(3)]
+        for t in range(max(len(s) for s in seqs)):
+            live = [i for i in range(3) if split[i] + t < len(seqs[i])]
+            if not live:
+                break
+            logits = engine._active.decode(
+                engine.cache,
+                [[2, 0, 3][i] for i in live],
+                [seqs[i][split[i] + t] for i in live],
+                [split[i] + t for i in live],
+            )
+            for row, i in enumerate(live):
+                ours[i].append(logits[row : row + 1])
+    for i in range(3):
+        diff = (torch.cat(ours[i]) - refs[i]).abs().max().item()
+        assert diff <= 1e-4, (which, i, diff)
+    engine.close()
+
+
+def test_greedy_generation_equals_transformers_generate(tiny_model_dir, llama_dir):
+    for path in (tiny_model_dir, llama_dir):
+        engine = EmbeddedEngine(path, EngineConfig(max_slots=3, max_seq_len=64))
+        hf = load_model(ModelConfig(path=path)).eval()
+        prompts = random_sequences(hf.config.vocab_size, 5, seed=11)
+        for i, p in enumerate(prompts):  # 5 requests through 3 slots: joins and leaves
+            engine.submit(Request(str(i), p, SamplingParams(max_new_tokens=12, temperature=0.0)))
+        tokens, finished = run_all(engine)
+        for i, p in enumerate(prompts):
+            ref = hf.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=12,
+                eos_token_id=hf.config.eos_token_id,
+                pad_token_id=0,
+            )[0, len(p) :].tolist()
+            assert [t.token_id for t in tokens[str(i)]] == ref, (path, i)
+            assert finished[str(i)].num_tokens == len(ref)
+        engine.close()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_behavior_logprobs_equal_trainer_recompute(tiny_model_dir, temperature):
+    engine = EmbeddedEngine(tiny_model_dir, EngineConfig(max_slots=4, max_seq_len=64))
+    hf = load_model(ModelConfig(path=tiny_model_dir)).eval()
+    prompts = random_sequences(hf.config.vocab_size, 4, seed=5)
+    for i, p in enumerate(prompts):
+        params = SamplingParams(max_new_tokens=10, temperature=temperature, top_k=20, seed=i)
+        engine.submit(Request(str(i), p, params))
+    tokens, _ = run_all(engine)
+    for i, p in enumerate(prompts):
+        generated = [t.token_id for t in tokens[str(i)]]
+        ids = torch.tensor([p + generated])
+        with torch.no_grad():
+            recomputed = token_logprobs(hf(ids, use_cache=False).logits, ids, temperature)[
+                0, len(p) :
+            ]
+        behavior = torch.tensor([t.logprob for t in tokens[str(i)]])
+        torch.testing.assert_close(behavior, recomputed, atol=1e-4, rtol=0)
+    engine.close()
+
+
+def _perturbed(path: str) -> dict[str, torch.Tensor]:
+    torch.manual_seed(3)
+    model = load_model(ModelConfig(path=path))
+    return {k: v + 0.5 * v.std() * torch.randn_like(v) for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("policy", ["recompute", "keep"])
+def test_flip_mid_request_versions_and_recompute(tiny_model_dir, policy):
+    engine = EmbeddedEngine(
+        tiny_model_dir, EngineConfig(max_slots=2, max_seq_len=64, flip_policy=policy)
+    )
+    vocab = engine._active.model.config.vocab_size
+    prompt = random_sequences(vocab, 1, seed=2)[0]
+    # A stop token outside the vocabulary: generation runs to max_new_tokens.
+    engine.eos_ids = set()
+    engine.submit(Request("r", prompt, SamplingParams(max_new_tokens=16, temperature=0.0)))
+    tokens = []
+    for _ in range(5):
+        tokens += engine.step().tokens
+    new_weights = _perturbed(tiny_model_dir)
+    engine.stage_weights(new_weights, version=1)
+    wait_staged(engine)
+    while engine.running:
+        tokens += engine.step().tokens
+    assert [t.version for t in tokens] == [0] * 5 + [1] * 11
+    if policy == "recompute":
+        fresh = load_model(ModelConfig(path=tiny_model_dir)).eval()
+        fresh.load_state_dict(new_weights)
+        # A fresh greedy generation (full forward each step, EOS not special) from the
+        # prompt plus the tokens generated before the flip.
+        ids = prompt + [t.token_id for t in tokens[:5]]
+        with torch.no_grad():
+            for _ in range(11):
+                ids.append(int(fresh(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+        assert [t.token_id for t in tokens[5:]] == ids[-11:]
+        assert engine.counters.recomputed_tokens == len(prompt) + 4
+    engine.close()
+
+
+def test_abort_frees_the_slot_and_admits_the_next(tiny_model_dir):
+    engine = EmbeddedEngine(tiny_model_dir, EngineConfig(max_slots=2, max_seq_len=64))
+    engine.eos_ids = set()
+    for i in range(3):
+        engine.submit(
+            Request(str(i), [5, 6, 7], SamplingParams(max_new_tokens=30, temperature=0.0))
+        )
+    engine.step()
+    assert set(engine.running) == {"0", "1"} and not engine.free_slots
+    engine.abort("0")
+    assert len(engine.free_slots) == 1
+    out = engine.step()
+    assert [(f.request_id, f.reason) for f in out.finished] == [("0", "abort")]
+    assert "0" not in {t.request_id for t in out.tokens}
+    assert set(engine.running) == {"1", "2"}  # the waiting request took the slot
+    engine.abort("2")
+    engine.abort("1")
+    engine.step()
+    assert len(engine.free_slots) == 2 and not engine.running
+    engine.close()
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+
+def test_thousand_random_requests_leave_no_leak(tiny_model_dir):
+    engine = EmbeddedEngine(
+        tiny_model_dir, EngineConfig(max_slots=16, max_seq_len=64, max_prefill_tokens=256)
+    )
+    vocab = engine._active.model.config.vocab_size
+    cache_ptr = engine.cache.k.data_ptr()
+    rss = []
+    for round_ in range(2):  # the second round must not grow memory
+        rng = random.Random(round_)
+        expected, aborted, tokens, finished = {}, set(), {}, {}
+        for i in range(1000):
+            prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 40))]
+            expected[str(i)] = rng.randint(1, 20)
+            engine.submit(
+                Request(str(i), prompt, SamplingParams(max_new_tokens=expected[str(i)], seed=i))
+            )
+            if i % 7 == 0:
+                collect(engine.step(), tokens, finished)
+            if i % 50 == 3 and str(i) not in finished:
+                engine.abort(str(i))  # queued or running, whichever it is now
+                aborted.add(str(i))
+        run_all(engine, tokens, finished)
+        assert set(finished) == set(expected)  # every request ended, exactly once
+        for rid, n in expected.items():
+            got = len(tokens.get(rid, []))
+            if rid in aborted:
+                assert finished[rid].reason == "abort" and got == finished[rid].num_tokens <= n
+                continue
+            assert got == finished[rid].num_tokens
+            assert got == n if finished[rid].reason == "length" else got <= n
+        assert not engine.running and not engine.waiting and not engine._aborted
+        assert sorted(engine.free_slots) == list(range(16))
+        assert engine.cache.k.data_ptr() == cache_ptr  # preallocated once, reused
+        rss.append(_rss_mb())
+    assert engine.counters.finished + engine.counters.aborted == 2000
+    assert rss[1] - rss[0] < 30, rss
+    engine.close()
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(tiny_model_dir):
+    def generate(batch_mates: int) -> list[int]:
+        engine = EmbeddedEngine(tiny_model_dir, EngineConfig(max_slots=8, max_seq_len=64))
+        engine.submit(
+            Request("me", [4, 5, 6], SamplingParams(max_new_tokens=12, temperature=1.0, seed=123))
+        )
+        for j in range(batch_mates):
+            engine.submit(
+                Request(f"o{j}", [7] * (j + 2), SamplingParams(max_new_tokens=12, temperature=1.0))
+            )
+        tokens, _ = run_all(engine)
+        engine.close()
+        return [t.token_id for t in tokens["me"]]
+
+    assert generate(0) == generate(5)
