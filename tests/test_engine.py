@@ -82,21 +82,21 @@ def test_logits_equal_transformers(which, tiny_model_dir, llama_dir):
         refs = [hf(torch.tensor([s]), use_cache=False).logits[0] for s in seqs]
         # Prefill the first halves together (padded batch), then decode the rest together.
         pre = engine._active.prefill(
-            engine.cache, [2, 0, 3], [s[:k] for s, k in zip(seqs, split)], all_logits=True
+            engine.cache, 1, [s[:k] for s, k in zip(seqs, split)], all_logits=True
         )
         ours = [[pre[i, : split[i]]] for i in range(3)]
         for t in range(max(len(s) for s in seqs)):
-            live = [i for i in range(3) if split[i] + t < len(seqs[i])]
-            if not live:
+            if all(split[i] + t >= len(seqs[i]) for i in range(3)):
                 break
+            # A finished sequence re-decodes its last token at its last position (same
+            # K/V again) so the three slots stay one contiguous range.
+            pos = [min(split[i] + t, len(seqs[i]) - 1) for i in range(3)]
             logits = engine._active.decode(
-                engine.cache,
-                [[2, 0, 3][i] for i in live],
-                [seqs[i][split[i] + t] for i in live],
-                [split[i] + t for i in live],
+                engine.cache, 1, [seqs[i][p] for i, p in enumerate(pos)], pos
             )
-            for row, i in enumerate(live):
-                ours[i].append(logits[row : row + 1])
+            for i in range(3):
+                if split[i] + t < len(seqs[i]):
+                    ours[i].append(logits[i : i + 1])
     for i in range(3):
         diff = (torch.cat(ours[i]) - refs[i]).abs().max().item()
         assert diff <= 1e-4, (which, i, diff)
@@ -193,9 +193,9 @@ def test_abort_frees_the_slot_and_admits_the_next(tiny_model_dir):
             Request(str(i), [5, 6, 7], SamplingParams(max_new_tokens=30, temperature=0.0))
         )
     engine.step()
-    assert set(engine.running) == {"0", "1"} and not engine.free_slots
+    assert set(engine.running) == {"0", "1"} and engine.free_slots == 0
     engine.abort("0")
-    assert len(engine.free_slots) == 1
+    assert engine.free_slots == 1 and engine.slots[0].request.request_id == "1"
     out = engine.step()
     assert [(f.request_id, f.reason) for f in out.finished] == [("0", "abort")]
     assert "0" not in {t.request_id for t in out.tokens}
@@ -203,7 +203,7 @@ def test_abort_frees_the_slot_and_admits_the_next(tiny_model_dir):
     engine.abort("2")
     engine.abort("1")
     engine.step()
-    assert len(engine.free_slots) == 2 and not engine.running
+    assert engine.free_slots == 2 and not engine.running
     engine.close()
 
 
@@ -243,7 +243,7 @@ def test_thousand_random_requests_leave_no_leak(tiny_model_dir):
             assert got == finished[rid].num_tokens
             assert got == n if finished[rid].reason == "length" else got <= n
         assert not engine.running and not engine.waiting and not engine._aborted
-        assert sorted(engine.free_slots) == list(range(16))
+        assert engine.free_slots == 16 and not engine.slots
         assert engine.cache.k.data_ptr() == cache_ptr  # preallocated once, reused
         rss.append(_rss_mb())
     assert engine.counters.finished + engine.counters.aborted == 2000

@@ -27,6 +27,11 @@ class KVCache:
     k: torch.Tensor
     v: torch.Tensor
 
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` positions of slot ``src`` into slot ``dst``."""
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+
     @classmethod
     def allocate(cls, model: PreTrainedModel, slots: int, max_len: int) -> KVCache:
         cfg = model.config
@@ -92,9 +97,9 @@ class CachedDecoder:
 
     @torch.no_grad()
     def prefill(
-        self, cache: KVCache, slots: list[int], sequences: list[list[int]], all_logits: bool = False
+        self, cache: KVCache, start: int, sequences: list[list[int]], all_logits: bool = False
     ) -> torch.Tensor:
-        """Write K/V of ``sequences`` (positions from 0) into ``slots``.
+        """Write K/V of ``sequences`` (positions from 0) into slots ``start, start + 1, …``.
 
         Sequences are right-padded to the longest, so causal attention alone keeps real
         tokens clear of the padding. Returns logits ``[n, V]`` at each sequence's last
@@ -107,14 +112,14 @@ class CachedDecoder:
         for i, s in enumerate(sequences):
             ids[i, : len(s)] = torch.tensor(s, device=device)
         positions = torch.arange(width, device=device)[None].expand(len(sequences), width)
-        slot_index = torch.tensor(slots, device=device)
+        end = start + len(sequences)
         x = self.model.model.embed_tokens(ids)
         for i, layer in enumerate(self.model.model.layers):
             q, k, v = self._attention_inputs(layer, layer.input_layernorm(x), positions)
             # Padding K/V land past each sequence's length, where decode masks them out
             # and later overwrites them.
-            cache.k[i, slot_index, :, :width] = k
-            cache.v[i, slot_index, :, :width] = v
+            cache.k[i, start:end, :, :width] = k
+            cache.v[i, start:end, :, :width] = v
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=layer.self_attn.scaling, enable_gqa=True
             )
@@ -126,11 +131,14 @@ class CachedDecoder:
 
     @torch.no_grad()
     def decode(
-        self, cache: KVCache, slots: list[int], tokens: list[int], positions: list[int]
+        self, cache: KVCache, start: int, tokens: list[int], positions: list[int]
     ) -> torch.Tensor:
-        """One token per slot at the given positions; returns logits ``[n, V]``."""
+        """One token for each of the slots ``start, start + 1, …`` at the given positions;
+        returns logits ``[n, V]``. The slots are a contiguous range, so attention reads
+        the cache through a view instead of gathering it."""
         device = cache.k.device
-        slot_index = torch.tensor(slots, device=device)
+        end = start + len(tokens)
+        slot_index = torch.arange(start, end, device=device)
         pos = torch.tensor(positions, device=device)
         span = int(pos.max()) + 1
         # [n, 1, 1, span]: each slot sees its own cached tokens and the new one.
@@ -140,8 +148,8 @@ class CachedDecoder:
             q, k, v = self._attention_inputs(layer, layer.input_layernorm(x), pos[:, None])
             cache.k[i, slot_index, :, pos] = k[:, :, 0]
             cache.v[i, slot_index, :, pos] = v[:, :, 0]
-            keys = cache.k[i, slot_index, :, :span]
-            values = cache.v[i, slot_index, :, :span]
+            keys = cache.k[i, start:end, :, :span]
+            values = cache.v[i, start:end, :, :span]
             out = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, scale=layer.self_attn.scaling, enable_gqa=True
             )

@@ -2,7 +2,9 @@
 
 Continuous batching over a preallocated slot KV cache: requests wait in a queue, join
 the running batch between steps (newly admitted prompts are prefilled together) and
-leave it when they finish or are aborted, returning their slot. Each step gives every
+leave it when they finish or are aborted, returning their slot. Running sequences always
+occupy slots ``0 … n-1``: when one leaves, the last one's cache moves into the hole, so
+attention reads the cache through views and never gathers it. Each step gives every
 running request one token with its behavior logprob and the version of the weights that
 produced it.
 
@@ -91,7 +93,8 @@ class EmbeddedEngine:
             eos = config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.version = version
-        self.free_slots = list(range(cfg.max_slots - 1, -1, -1))
+        self.slots: list[_Sequence] = []
+        """Running sequences by slot: ``slots[i].slot == i``."""
         self.running: dict[str, _Sequence] = {}
         self.waiting: deque[Request] = deque()
         self._aborted: list[Finished] = []
@@ -123,7 +126,7 @@ class EmbeddedEngine:
     def abort(self, request_id: str) -> None:
         seq = self.running.pop(request_id, None)
         if seq is not None:
-            self.free_slots.append(seq.slot)
+            self._release(seq)
             self._aborted.append(Finished(request_id, "abort", seq.generated))
         else:
             queued = [r for r in self.waiting if r.request_id == request_id]
@@ -134,8 +137,11 @@ class EmbeddedEngine:
         self.counters.aborted += 1
 
     def stage_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Offer weights ``version``; the engine takes ownership of the tensors (the caller
+        must not modify them afterwards) and flips to them at the next step boundary."""
         expected = {name: p.shape for name, p in self._idle.model.named_parameters()}
-        unknown = sorted(set(state_dict) - set(expected))
+        # Tied weights (lm_head = embed_tokens) appear twice in a state dict; accept both.
+        unknown = sorted(set(state_dict) - set(self._idle.model.state_dict()))
         missing = sorted(set(expected) - set(state_dict))
         wrong = sorted(
             n for n in expected if n in state_dict and state_dict[n].shape != expected[n]
@@ -154,20 +160,25 @@ class EmbeddedEngine:
         self._maybe_flip()
         tokens: list[GeneratedToken] = []
         finished, self._aborted = self._aborted, []
-        decoding = list(self.running.values())
-        admitted = self._admit()
+        decoding = list(self.slots)  # slots 0 … n-1
+        admitted = self._admit()  # slots n … n+k-1
+        # Both forward passes run before any sequence leaves (and moves slots).
         if decoding:
-            logits = self._active.decode(
-                self.cache, [s.slot for s in decoding], [s.tokens[-1] for s in decoding],
+            decode_logits = self._active.decode(
+                self.cache,
+                0,
+                [s.tokens[-1] for s in decoding],
                 [len(s.tokens) - 1 for s in decoding],
-            )  # fmt: skip
-            self._emit(decoding, logits, tokens, finished)
+            )
         if admitted:
-            logits = self._active.prefill(
-                self.cache, [s.slot for s in admitted], [s.tokens for s in admitted]
+            prefill_logits = self._active.prefill(
+                self.cache, len(decoding), [s.tokens for s in admitted]
             )
             self.counters.prefill_tokens += sum(len(s.tokens) for s in admitted)
-            self._emit(admitted, logits, tokens, finished)
+        if decoding:
+            self._emit(decoding, decode_logits, tokens, finished)
+        if admitted:
+            self._emit(admitted, prefill_logits, tokens, finished)
         self.counters.steps += 1
         self.counters.tokens += len(tokens)
         self.counters.last_step_ms = (time.perf_counter() - start) * 1000
@@ -178,7 +189,7 @@ class EmbeddedEngine:
         return {
             "engine/running": len(self.running),
             "engine/waiting": len(self.waiting),
-            "engine/free_slots": len(self.free_slots),
+            "engine/free_slots": self.free_slots,
             "engine/version": self.version,
             "engine/steps": c.steps,
             "engine/tokens": c.tokens,
@@ -208,10 +219,23 @@ class EmbeddedEngine:
             generator = None
             if req.params.seed is not None:
                 generator = torch.Generator(device=self.device).manual_seed(req.params.seed)
-            seq = _Sequence(req, self.free_slots.pop(), list(req.prompt_ids), generator)
+            seq = _Sequence(req, len(self.slots), list(req.prompt_ids), generator)
+            self.slots.append(seq)
             self.running[req.request_id] = seq
             admitted.append(seq)
         return admitted
+
+    @property
+    def free_slots(self) -> int:
+        return self.cfg.max_slots - len(self.slots)
+
+    def _release(self, seq: _Sequence) -> None:
+        """Free ``seq``'s slot, moving the last running sequence into it."""
+        last = self.slots.pop()
+        if last is not seq:
+            self.cache.move(last.slot, seq.slot, len(last.tokens))
+            last.slot = seq.slot
+            self.slots[seq.slot] = last
 
     def _emit(
         self, seqs: list[_Sequence], logits: torch.Tensor, tokens: list, finished: list
@@ -233,7 +257,7 @@ class EmbeddedEngine:
                 reason = "length"
             if reason is not None:
                 del self.running[seq.request.request_id]
-                self.free_slots.append(seq.slot)
+                self._release(seq)
                 finished.append(Finished(seq.request.request_id, reason, seq.generated))
                 self.counters.finished += 1
                 self.counters.reasons[reason] = self.counters.reasons.get(reason, 0) + 1
@@ -252,9 +276,17 @@ class EmbeddedEngine:
                 self._incoming = None
                 target = self._idle
             with torch.no_grad():
-                params = dict(target.model.named_parameters())
-                for name, tensor in state_dict.items():
-                    params[name].copy_(tensor, non_blocking=True)
+                # Adopt the offered tensors instead of copying them (the caller hands them
+                # over): staging is a pointer swap per parameter, plus a conversion only
+                # where dtype or device differ. The thread is then busy for microseconds, so
+                # it never holds the GIL long enough to stall the decode thread.
+                for name, param in target.model.named_parameters():
+                    tensor = state_dict[name]
+                    if tensor.dtype != param.dtype or tensor.device != param.device:
+                        tensor = tensor.to(
+                            device=param.device, dtype=param.dtype, non_blocking=True
+                        )
+                    param.data = tensor.contiguous()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             with self._cond:
@@ -269,7 +301,6 @@ class EmbeddedEngine:
             self._cond.notify_all()
         self.counters.flips += 1
         if self.cfg.flip_policy == "recompute" and self.running:
-            seqs = list(self.running.values())
             # Recompute K/V of every cached token (all but the last) under the new weights.
-            self._active.prefill(self.cache, [s.slot for s in seqs], [s.tokens[:-1] for s in seqs])
-            self.counters.recomputed_tokens += sum(len(s.tokens) - 1 for s in seqs)
+            self._active.prefill(self.cache, 0, [s.tokens[:-1] for s in self.slots])
+            self.counters.recomputed_tokens += sum(len(s.tokens) - 1 for s in self.slots)
