@@ -3,6 +3,7 @@ generation, behavior logprobs, weight flips, abort, and no leaks."""
 
 from __future__ import annotations
 
+import os
 import random
 import time
 
@@ -13,7 +14,11 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from asyncrl.engine.base import Request, SamplingParams
 from asyncrl.engine.embedded import EmbeddedEngine, EngineConfig
 from asyncrl.models import ModelConfig, load_model, load_tokenizer
+from asyncrl.trainer.config import OptimConfig, TrainerConfig
+from asyncrl.trainer.core import TrainerCore
+from asyncrl.trainer.dist import init_distributed
 from asyncrl.trainer.logprobs import token_logprobs
+from asyncrl.trainer.packing import TokenSequence, make_micro_batches
 
 
 @pytest.fixture(scope="module")
@@ -125,24 +130,40 @@ def test_greedy_generation_equals_transformers_generate(tiny_model_dir, llama_di
         engine.close()
 
 
+@pytest.fixture(scope="module")
+def trainer_core(tmp_path_factory, tiny_model_dir):
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    info = init_distributed("cpu", str(tmp_path_factory.mktemp("rdv") / "rendezvous"))
+    return TrainerCore(
+        ModelConfig(path=tiny_model_dir), TrainerConfig(), OptimConfig(), info, pad_id=0
+    )
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_behavior_logprobs_equal_trainer_recompute(tiny_model_dir, temperature):
+def test_behavior_logprobs_equal_trainer_recompute(tiny_model_dir, trainer_core, temperature):
+    """The engine's behavior logprobs equal what the FSDP2 trainer recomputes for the same
+    tokens and weights, through the trainer's own packed forward pass."""
     engine = EmbeddedEngine(tiny_model_dir, EngineConfig(max_slots=4, max_seq_len=64))
-    hf = load_model(ModelConfig(path=tiny_model_dir)).eval()
-    prompts = random_sequences(hf.config.vocab_size, 4, seed=5)
+    prompts = random_sequences(engine._active.model.config.vocab_size, 4, seed=5)
     for i, p in enumerate(prompts):
         params = SamplingParams(max_new_tokens=10, temperature=temperature, top_k=20, seed=i)
         engine.submit(Request(str(i), p, params))
     tokens, _ = run_all(engine)
-    for i, p in enumerate(prompts):
-        generated = [t.token_id for t in tokens[str(i)]]
-        ids = torch.tensor([p + generated])
-        with torch.no_grad():
-            recomputed = token_logprobs(hf(ids, use_cache=False).logits, ids, temperature)[
-                0, len(p) :
-            ]
-        behavior = torch.tensor([t.logprob for t in tokens[str(i)]])
-        torch.testing.assert_close(behavior, recomputed, atol=1e-4, rtol=0)
+    seqs = [
+        TokenSequence(
+            p + [t.token_id for t in tokens[str(i)]], [0] * len(p) + [1] * len(tokens[str(i)])
+        )
+        for i, p in enumerate(prompts)
+    ]
+    (mb,) = make_micro_batches(seqs, budget=1024, row_tokens=1024)  # one packed row
+    with torch.no_grad():
+        recomputed = token_logprobs(trainer_core.forward(mb), mb.input_ids, temperature)[
+            mb.loss_mask.bool()
+        ]
+    behavior = torch.tensor([t.logprob for i in range(4) for t in tokens[str(i)]])
+    assert behavior.shape == recomputed.shape
+    torch.testing.assert_close(behavior, recomputed, atol=1e-4, rtol=0)
     engine.close()
 
 

@@ -1,0 +1,268 @@
+"""The buffer's logic, apart from sockets and processes: a deterministic state machine that
+the buffer process drives with decoded messages and the current time (and that the
+property tests drive with a simulated clock).
+
+It owns the prompt stream and admission under the staleness bound, leases (with
+deadlines and heartbeats; an expired lease is re-issued with the tokens already received
+as its prefix), chunk assembly in sequence order (duplicates and reordering tolerated),
+scoring, groups of n samples per prompt, the dynamic-sampling filter, the staleness
+check at consumption, per-step batches split across trainer ranks, and exactly-once
+accounting: every sample slot ever created ends as consumed, dropped as stale, filtered,
+or failed, or is still in flight, and ``check_accounting`` proves the sum.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from asyncrl.buffer.staleness import StalenessGate
+from asyncrl.trainer.packing import split_balanced
+from asyncrl.wire import Chunk, Lease, Sample, SamplingSpec
+
+
+@dataclass
+class BufferConfig:
+    prompts_per_batch: int = 16
+    """B: prompts (groups) per trainer step."""
+    samples_per_prompt: int = 4
+    """n: samples per prompt (the GRPO group size)."""
+    max_staleness: int | None = 2
+    """η: how many versions older than the consuming step a token may be; None: unbounded."""
+    lease_timeout_s: float = 120.0
+    """A lease not finished this long after it was issued is re-issued."""
+    heartbeat_timeout_s: float = 10.0
+    """A generator silent this long is presumed dead and its leases are re-issued."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal (no learning signal) and lease more prompts."""
+
+
+@dataclass
+class _Slot:
+    """One sample of a group: the tokens received so far, in order."""
+
+    index: int
+    lease_id: str | None = None
+    worker_id: str | None = None
+    deadline: float = 0.0
+    next_seq: int = 0
+    pending: dict[int, Chunk] = field(default_factory=dict)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    reward: float | None = None
+
+
+@dataclass
+class _Group:
+    group_id: int
+    prompt_id: int
+    prompt_ids: list[int]
+    slots: list[_Slot]
+
+
+PromptSource = Callable[[int], tuple[int, list[int]]]
+"""``prompts(position) -> (prompt_id, prompt token ids)``, deterministic in the position."""
+Scorer = Callable[[int, list[int], str | None], float]
+"""``score(prompt_id, completion token ids, finish reason) -> reward``."""
+
+
+class RolloutBuffer:
+    def __init__(self, cfg: BufferConfig, run_id: str, prompts: PromptSource, score: Scorer,
+                 sampling: SamplingSpec) -> None:  # fmt: skip
+        self.cfg, self.run_id, self.prompts, self.score, self.sampling = (
+            cfg,
+            run_id,
+            prompts,
+            score,
+            sampling,
+        )
+        self.gate = StalenessGate(cfg.prompts_per_batch, cfg.max_staleness)
+        self.version = 0
+        self.prompt_position = 0
+        self.retry_prompts: deque[tuple[int, list[int]]] = deque()
+        self.prompts_counted = 0
+        self.groups: dict[int, _Group] = {}
+        self.next_group_id = 0
+        self.next_lease = 0
+        self.to_lease: deque[tuple[int, int]] = deque()  # (group_id, slot index)
+        self.leases: dict[str, tuple[int, int]] = {}
+        self.ready: deque[int] = deque()  # complete, scored groups in completion order
+        self.batches: dict[int, list[list[Sample]]] = {}  # step -> per-rank shares not yet served
+        self.last_seen: dict[str, float] = {}
+        self.counts: Counter[str] = Counter()
+
+    # ---- generators ----------------------------------------------------------------
+    def lease(self, worker_id: str, capacity: int, now: float) -> list[Lease]:
+        self.last_seen[worker_id] = now
+        out = []
+        while len(out) < capacity:
+            if not self.to_lease and not self._admit_prompt():
+                break
+            group_id, index = self.to_lease.popleft()
+            if group_id in self.groups:  # its group may have failed meanwhile
+                out.append(self._issue(group_id, index, worker_id, now))
+        return out
+
+    def on_chunk(self, chunk: Chunk, now: float) -> None:
+        self.last_seen[chunk.worker_id] = now
+        where = self.leases.get(chunk.lease_id)
+        if where is None:
+            self.counts["chunks_unknown_lease"] += 1  # revoked or already finished
+            return
+        if not (len(chunk.token_ids) == len(chunk.logprobs) == len(chunk.versions)):
+            self.counts["chunks_malformed"] += 1
+            return
+        slot = self.groups[where[0]].slots[where[1]]
+        if chunk.seq < slot.next_seq or chunk.seq in slot.pending:
+            self.counts["chunks_duplicate"] += 1
+            return
+        slot.pending[chunk.seq] = chunk
+        while slot.next_seq in slot.pending:
+            c = slot.pending.pop(slot.next_seq)
+            slot.next_seq += 1
+            slot.token_ids += c.token_ids
+            slot.logprobs += c.logprobs
+            slot.versions += c.versions
+            self.counts["tokens_received"] += len(c.token_ids)
+            if c.finished:
+                self._finish(where[0], slot, c.finish_reason)
+                break
+
+    def on_heartbeat(self, worker_id: str, now: float) -> None:
+        self.last_seen[worker_id] = now
+
+    def expire(self, now: float) -> int:
+        """Re-issue leases past their deadline or held by silent generators."""
+        expired = []
+        for lease_id, (group_id, index) in self.leases.items():
+            slot = self.groups[group_id].slots[index]
+            silent = now - self.last_seen.get(slot.worker_id, now) > self.cfg.heartbeat_timeout_s
+            if now > slot.deadline or silent:
+                expired.append(lease_id)
+        for lease_id in expired:
+            group_id, index = self.leases.pop(lease_id)
+            slot = self.groups[group_id].slots[index]
+            slot.lease_id, slot.worker_id, slot.pending = None, None, {}
+            self.to_lease.appendleft((group_id, index))  # first in line; keeps its tokens
+            self.counts["leases_reissued"] += 1
+        return len(expired)
+
+    # ---- trainer -------------------------------------------------------------------
+    def set_version(self, version: int) -> None:
+        self.version = max(self.version, version)
+
+    def batch_for(self, step: int, rank: int, world_size: int) -> list[Sample] | None:
+        """This rank's share of the step's batch, or None while it is not complete yet."""
+        if step not in self.batches:
+            groups = self._take_groups(step)
+            if groups is None:
+                return None
+            samples = [self._sample(g, s) for g in groups for s in g.slots]
+            shares = split_balanced([len(s.token_ids) for s in samples], world_size)
+            self.batches[step] = [[samples[i] for i in share] for share in shares]
+            self.counts["samples_consumed"] += len(samples)
+            self.counts["groups_consumed"] += len(groups)
+        share = self.batches[step][rank]
+        self.batches[step][rank] = []
+        return share
+
+    # ---- accounting ----------------------------------------------------------------
+    def in_flight(self) -> int:
+        return sum(len(g.slots) for g in self.groups.values())
+
+    def check_accounting(self) -> None:
+        c = self.counts
+        ended = (
+            c["samples_consumed"] + c["samples_stale"] + c["samples_filtered"] + c["samples_failed"]
+        )
+        if c["samples_created"] != ended + self.in_flight():
+            raise AssertionError(f"accounting broken: created {c['samples_created']} != ended {ended} "
+                                 f"+ in flight {self.in_flight()} ({dict(c)})")  # fmt: skip
+
+    # ---- internals -----------------------------------------------------------------
+    def _admit_prompt(self) -> bool:
+        if self.gate.capacity(self.prompts_counted, self.version) <= 0:
+            return False
+        if self.retry_prompts:
+            prompt_id, prompt_ids = self.retry_prompts.popleft()
+        else:
+            prompt_id, prompt_ids = self.prompts(self.prompt_position)
+            self.prompt_position += 1
+        group = _Group(self.next_group_id, prompt_id, list(prompt_ids),
+                       [_Slot(i) for i in range(self.cfg.samples_per_prompt)])  # fmt: skip
+        self.groups[group.group_id] = group
+        self.next_group_id += 1
+        self.prompts_counted += 1
+        self.counts["samples_created"] += len(group.slots)
+        self.to_lease.extend((group.group_id, i) for i in range(len(group.slots)))
+        return True
+
+    def _issue(self, group_id: int, index: int, worker_id: str, now: float) -> Lease:
+        group = self.groups[group_id]
+        slot = group.slots[index]
+        slot.lease_id = f"{self.run_id}:{self.next_lease}"
+        self.next_lease += 1
+        slot.worker_id, slot.deadline, slot.next_seq = worker_id, now + self.cfg.lease_timeout_s, 0
+        self.leases[slot.lease_id] = (group_id, index)
+        self.counts["leases_issued"] += 1
+        return Lease(run_id=self.run_id, lease_id=slot.lease_id, prompt_id=group.prompt_id, group_id=group_id,
+                     sample_index=index, prompt_ids=group.prompt_ids, sampling=self.sampling,
+                     deadline=slot.deadline, prefix_ids=list(slot.token_ids),
+                     prefix_logprobs=list(slot.logprobs), prefix_versions=list(slot.versions))  # fmt: skip
+
+    def _finish(self, group_id: int, slot: _Slot, reason: str | None) -> None:
+        del self.leases[slot.lease_id]
+        slot.lease_id, slot.finish_reason = None, reason
+        group = self.groups[group_id]
+        if reason == "error":  # the generator could not run this prompt: the group fails
+            for other in group.slots:
+                self.leases.pop(other.lease_id, None)
+            self._end_group(group, "samples_failed")
+            self.counts["groups_failed"] += 1
+            return
+        try:
+            slot.reward = float(self.score(group.prompt_id, slot.token_ids, reason))
+        except Exception:  # a reward function that raises gives 0 and is counted
+            slot.reward = 0.0
+            self.counts["reward_errors"] += 1
+        if any(s.reward is None for s in group.slots):
+            return
+        rewards = {s.reward for s in group.slots}
+        if self.cfg.dynamic_sampling and len(rewards) == 1:
+            self._end_group(group, "samples_filtered")
+            self.counts["groups_filtered"] += 1
+            return
+        self.ready.append(group_id)
+
+    def _take_groups(self, step: int) -> list[_Group] | None:
+        # Drop what became too stale, re-queueing its prompt, then take B if there are B.
+        fresh = deque()
+        for group_id in self.ready:
+            group = self.groups[group_id]
+            oldest = min((v for s in group.slots for v in s.versions), default=step)
+            if self.gate.is_stale(step, oldest):
+                self._end_group(group, "samples_stale")
+                self.retry_prompts.append((group.prompt_id, group.prompt_ids))
+                self.counts["groups_stale"] += 1
+            else:
+                fresh.append(group_id)
+        self.ready = fresh
+        if len(self.ready) < self.cfg.prompts_per_batch:
+            return None
+        taken = [self.ready.popleft() for _ in range(self.cfg.prompts_per_batch)]
+        return [self.groups.pop(g) for g in taken]
+
+    def _end_group(self, group: _Group, outcome: str) -> None:
+        self.counts[outcome] += len(group.slots)
+        self.prompts_counted -= 1  # its replacement is admitted under the same bound
+        del self.groups[group.group_id]
+
+    def _sample(self, group: _Group, slot: _Slot) -> Sample:
+        prompt = len(group.prompt_ids)
+        return Sample(prompt_id=group.prompt_id, group_id=group.group_id, sample_index=slot.index,
+                      token_ids=group.prompt_ids + slot.token_ids, logprobs=[0.0] * prompt + slot.logprobs,
+                      versions=[-1] * prompt + slot.versions, loss_mask=[0] * prompt + [1] * len(slot.token_ids),
+                      reward=slot.reward, finish_reason=slot.finish_reason)  # fmt: skip

@@ -1,0 +1,251 @@
+"""The wire protocol: one ``msgspec.Struct`` per message, msgpack-encoded, tagged by class
+name, each carrying the protocol version and the run id (DESIGN §3).
+
+Who sends what:
+
+    LeaseRequest   generator -> buffer    "I can take N more samples"
+    Lease          buffer -> generator    one sample of one prompt to generate
+    Chunk          generator -> buffer    new tokens of a lease, streamed as they are made
+    Heartbeat      generator/trainer -> buffer
+    BatchRequest   trainer rank -> buffer
+    Batch          buffer -> trainer rank
+    VersionAnnounce trainer -> buffer     the newest published weights version
+    WeightsAnnounce trainer -> generators header of a weights update; raw tensor frames follow
+
+Tensors never go through msgpack: ``encode_tensors`` yields a small header plus one raw
+frame per tensor (zero-copy buffers), and ``decode_tensors`` rebuilds them with
+``torch.frombuffer``. Nothing here, or anywhere on a socket, is pickled. ``WireDecoder``
+turns bad frames into counted ``WireError`` kinds instead of exceptions that could crash
+a process.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections import Counter
+from typing import Literal
+
+import msgspec
+import torch
+
+PROTOCOL_VERSION = 1
+
+log = logging.getLogger(__name__)
+
+
+class Message(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
+    """Fields every message carries; subclasses are tagged with their class name."""
+
+    protocol: int = PROTOCOL_VERSION
+    run_id: str
+
+
+class SamplingSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+
+
+class LeaseRequest(Message):
+    worker_id: str
+    capacity: int
+    """How many more samples the generator can take now."""
+
+
+class Lease(Message):
+    lease_id: str
+    """Unique per issue: a re-issued sample gets a new lease id."""
+    prompt_id: int
+    group_id: int
+    """Samples of one prompt share a group (GRPO); ``sample_index`` is 0 … n-1 in it."""
+    sample_index: int
+    prompt_ids: list[int]
+    sampling: SamplingSpec
+    deadline: float
+    """Unix time by which the generator must have finished or the lease is re-issued."""
+    prefix_ids: list[int] = []
+    """Tokens already generated for this sample by an earlier holder of the lease; the
+    generator continues after them. ``prefix_logprobs[i]`` and ``prefix_versions[i]`` belong
+    to ``prefix_ids[i]``."""
+    prefix_logprobs: list[float] = []
+    prefix_versions: list[int] = []
+
+
+class Chunk(Message):
+    worker_id: str
+    lease_id: str
+    seq: int
+    """0, 1, 2 … per lease: the buffer assembles chunks in this order and drops repeats."""
+    token_ids: list[int]
+    logprobs: list[float]
+    """``logprobs[i]`` is the behavior logprob of ``token_ids[i]``."""
+    versions: list[int]
+    """``versions[i]`` is the weights version that produced ``token_ids[i]``."""
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+class Heartbeat(Message):
+    worker_id: str
+    kind: Literal["generator", "trainer"]
+    version: int
+    """Weights version the worker runs now."""
+    running: int = 0
+    counters: dict[str, float] = {}
+
+
+class BatchRequest(Message):
+    step: int
+    rank: int
+    world_size: int
+
+
+class Sample(msgspec.Struct, kw_only=True):
+    """One finished trajectory as the trainer receives it; per-token lists have one
+    entry per token of ``prompt_ids + completion_ids`` (prompt entries: logprob 0,
+    version -1, loss mask 0)."""
+
+    prompt_id: int
+    group_id: int
+    sample_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    loss_mask: list[int]
+    reward: float
+    finish_reason: str | None = None
+
+
+class Batch(Message):
+    step: int
+    rank: int
+    samples: list[Sample]
+
+
+class VersionAnnounce(Message):
+    version: int
+
+
+class TensorMeta(msgspec.Struct, array_like=True):
+    name: str
+    dtype: str
+    shape: list[int]
+
+
+class WeightsAnnounce(Message):
+    version: int
+    tensors: list[TensorMeta]
+    """One raw frame follows the header for each entry, in this order."""
+
+
+ANY_MESSAGE = (
+    LeaseRequest
+    | Lease
+    | Chunk
+    | Heartbeat
+    | BatchRequest
+    | Batch
+    | VersionAnnounce
+    | WeightsAnnounce
+)
+
+ErrorKind = Literal["decode", "protocol", "run_id", "unexpected", "frames"]
+
+
+class WireError(Exception):
+    def __init__(self, kind: ErrorKind, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+class WireDecoder:
+    """Decodes frames into messages of the expected types for one run; counts failures.
+
+    ``decode`` raises ``WireError``; ``try_decode`` returns None instead, after counting the
+    failure by kind and logging the first of each kind.
+    """
+
+    def __init__(self, run_id: str, expected: type | None = None) -> None:
+        self.run_id = run_id
+        self._decoder = msgspec.msgpack.Decoder(expected or ANY_MESSAGE)
+        self.errors: Counter[str] = Counter()
+
+    def decode(self, frame: bytes | memoryview) -> Message:
+        try:
+            message = self._decoder.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise WireError("decode", str(e)) from None
+        if message.protocol != PROTOCOL_VERSION:
+            raise WireError("protocol", f"protocol {message.protocol}, expected {PROTOCOL_VERSION}")
+        if message.run_id != self.run_id:
+            raise WireError("run_id", f"run id {message.run_id!r}, expected {self.run_id!r}")
+        return message
+
+    def try_decode(self, frame: bytes | memoryview, where: str = "") -> Message | None:
+        try:
+            return self.decode(frame)
+        except WireError as e:
+            self.count(e.kind, f"{where}: {e}")
+            return None
+
+    def count(self, kind: str, detail: str) -> None:
+        if self.errors[kind] == 0:
+            log.warning(
+                "dropping a bad frame (%s); further ones are only counted: %s", kind, detail[:300]
+            )
+        self.errors[kind] += 1
+
+
+def encode_tensors(version: int, run_id: str, tensors: dict[str, torch.Tensor]) -> list:
+    """``[header, frame, frame, …]`` for a weights update; frames share the tensors' memory."""
+    metas, frames = [], []
+    for name, t in tensors.items():
+        t = t.detach().contiguous().cpu()
+        metas.append(TensorMeta(name, str(t.dtype).removeprefix("torch."), list(t.shape)))
+        # bf16 has no numpy/buffer format: send its bytes as int16 and reinterpret on arrival.
+        raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+        frames.append(memoryview(raw.reshape(-1).numpy()).cast("B"))
+    header = encode(WeightsAnnounce(run_id=run_id, version=version, tensors=metas))
+    return [header, *frames]
+
+
+def decode_tensors(announce: WeightsAnnounce, frames: list) -> dict[str, torch.Tensor]:
+    """Rebuild the tensors of a weights update from their raw frames (no copy: the
+    tensors are read-only views of the frames)."""
+    if len(frames) != len(announce.tensors):
+        raise WireError("frames", f"{len(frames)} frames for {len(announce.tensors)} tensors")
+    out = {}
+    for meta, frame in zip(announce.tensors, frames):
+        dtype = getattr(torch, meta.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise WireError("frames", f"unknown dtype {meta.dtype!r} for {meta.name}")
+        buffer = memoryview(frame)
+        numel = 1
+        for d in meta.shape:
+            numel *= d
+        if buffer.nbytes != numel * dtype.itemsize:
+            raise WireError(
+                "frames", f"{meta.name}: {buffer.nbytes} bytes for shape {meta.shape} {meta.dtype}"
+            )
+        if numel == 0:
+            out[meta.name] = torch.empty(meta.shape, dtype=dtype)
+            continue
+        raw_dtype = torch.int16 if dtype == torch.bfloat16 else dtype
+        with warnings.catch_warnings():
+            # Received frames are read-only; the tensors are views of them, never written
+            # (the engine adopts weights as they are), so the copy torch suggests is waste.
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.frombuffer(buffer, dtype=raw_dtype).view(meta.shape)
+        out[meta.name] = t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+    return out

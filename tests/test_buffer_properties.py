@@ -1,0 +1,167 @@
+"""Property tests of the buffer's logic, driven by a simulated clock, simulated generators
+(which lag behind the trainer's version, die, and send chunks late, twice, or out of
+order) and a simulated trainer of two ranks.
+
+Invariants checked after every action: the counters add up (every sample slot created
+is consumed, stale, filtered, failed or in flight); no consumed trajectory is staler
+than η; with η = 0 every consumed token's version equals the step that consumes it.
+"""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from asyncrl.buffer.core import BufferConfig, RolloutBuffer
+from asyncrl.wire import Chunk, SamplingSpec
+
+GENERATORS = ["g0", "g1", "g2"]
+
+
+def prompts(position: int) -> tuple[int, list[int]]:
+    return position, [3 + position % 7, 4, 5]
+
+
+def score(prompt_id: int, completion: list[int], reason: str | None) -> float:
+    if completion and completion[0] == 13:
+        raise RuntimeError("a reward function that fails")
+    return float(sum(completion) % 2)
+
+
+class Simulation:
+    """Generators, a network and a trainer around one buffer, stepped by weighted random
+    actions from a seed, with the invariants checked after every action."""
+
+    def __init__(self, eta: int | None, dynamic: bool, seed: int) -> None:
+        self.eta = eta
+        cfg = BufferConfig(
+            prompts_per_batch=2,
+            samples_per_prompt=2,
+            max_staleness=eta,
+            lease_timeout_s=50.0,
+            heartbeat_timeout_s=5.0,
+            dynamic_sampling=dynamic,
+        )
+        self.buffer = RolloutBuffer(cfg, "run", prompts, score, SamplingSpec())
+        self.rng = random.Random(seed)
+        self.now = 0.0
+        self.step = 0  # the trainer's version == the next step it consumes
+        self.gen_version = dict.fromkeys(GENERATORS, 0)
+        self.alive = dict.fromkeys(GENERATORS, True)
+        self.held: dict[str, dict[str, int]] = {g: {} for g in GENERATORS}  # lease -> next seq
+        self.network: list[Chunk] = []
+        self.consumed: list[tuple[int, list[int]]] = []
+
+    def run(self, actions: int) -> None:
+        table = [
+            (self.lease, 20),
+            (self.generate, 25),
+            (self.deliver, 25),
+            (self.sync_weights, 8),
+            (self.advance, 10),
+            (self.train_step, 10),
+            (self.kill, 1),
+            (self.restart, 1),
+        ]
+        moves, weights = zip(*table)
+        for move in self.rng.choices(moves, weights, k=actions):
+            move()
+            self.check()
+
+    def lease(self) -> None:
+        g = self.rng.choice(GENERATORS)
+        if self.alive[g]:
+            for lease in self.buffer.lease(g, self.rng.randint(1, 4), self.now):
+                self.held[g][lease.lease_id] = 0
+
+    def generate(self) -> None:
+        """One chunk of 1-3 tokens for every lease a generator holds; some finish."""
+        g = self.rng.choice(GENERATORS)
+        if not self.alive[g]:
+            return
+        for lease_id in sorted(self.held[g]):
+            seq, n = self.held[g][lease_id], self.rng.randint(1, 3)
+            finish = self.rng.random() < 0.3
+            reason = ("error" if self.rng.random() < 0.02 else "eos") if finish else None
+            self.network.append(Chunk(
+                run_id="run", worker_id=g, lease_id=lease_id, seq=seq,
+                token_ids=[self.rng.randrange(3, 20) for _ in range(n)], logprobs=[-1.0] * n,
+                versions=[self.gen_version[g]] * n, finished=finish, finish_reason=reason,
+            ))  # fmt: skip
+            self.held[g][lease_id] = seq + 1
+            if finish:
+                del self.held[g][lease_id]
+
+    def deliver(self) -> None:
+        """Deliver some chunks in random order, a few of them twice."""
+        self.rng.shuffle(self.network)
+        count = self.rng.randint(1, 8)
+        for chunk in self.network[:count]:
+            self.buffer.on_chunk(chunk, self.now)
+            if self.rng.random() < 0.1:
+                self.buffer.on_chunk(chunk, self.now)
+        del self.network[:count]
+
+    def sync_weights(self) -> None:
+        self.gen_version[self.rng.choice(GENERATORS)] = self.step
+
+    def kill(self) -> None:
+        g = self.rng.choice(GENERATORS)
+        self.alive[g], self.held[g] = False, {}
+
+    def restart(self) -> None:
+        self.alive[self.rng.choice(GENERATORS)] = True
+
+    def advance(self) -> None:
+        self.now += self.rng.choice([0.5, 1.0, 2.0, 30.0])
+        for g in GENERATORS:
+            if self.alive[g]:
+                self.buffer.on_heartbeat(g, self.now)
+        self.buffer.expire(self.now)
+        for g in GENERATORS:  # a generator whose lease was taken back stops working on it
+            self.held[g] = {k: v for k, v in self.held[g].items() if k in self.buffer.leases}
+
+    def train_step(self) -> None:
+        shares = [self.buffer.batch_for(self.step, rank, 2) for rank in range(2)]
+        if shares[0] is None:
+            return
+        for sample in shares[0] + shares[1]:
+            self.consumed.append(
+                (self.step, [v for v, m in zip(sample.versions, sample.loss_mask) if m])
+            )
+        self.step += 1
+        self.buffer.set_version(self.step)
+
+    def check(self) -> None:
+        self.buffer.check_accounting()
+        for step, versions in self.consumed:
+            assert versions, "a consumed sample has no generated tokens"
+            if self.eta is not None:
+                assert step - min(versions) <= self.eta, (step, versions)
+            if self.eta == 0:
+                assert set(versions) == {step}, (step, versions)
+
+
+@settings(max_examples=60, deadline=None)
+@given(eta=st.sampled_from([0, 1, 3, None]), dynamic=st.booleans(), seed=st.integers(0, 2**32))
+def test_buffer_invariants_under_random_schedules(eta, dynamic, seed):
+    sim = Simulation(eta, dynamic, seed)
+    sim.run(600)
+    event(f"steps consumed: {'10+' if sim.step >= 10 else sim.step}")
+    c = sim.buffer.counts
+    event(
+        f"stale groups dropped: {bool(c['groups_stale'])}, reissued leases: {bool(c['leases_reissued'])}"
+    )
+
+
+def test_eta_zero_is_one_batch_of_prompts_per_version():
+    cfg = BufferConfig(prompts_per_batch=3, samples_per_prompt=2, max_staleness=0)
+    buffer = RolloutBuffer(cfg, "run", prompts, score, SamplingSpec())
+    assert len(buffer.lease("g", 100, 0.0)) == 6  # 3 prompts x 2 samples, no more
+    buffer.set_version(1)
+    assert len(buffer.lease("g", 100, 0.0)) == 6
+    cfg.max_staleness = None
+    unbounded = RolloutBuffer(cfg, "run", prompts, score, SamplingSpec())
+    assert len(unbounded.lease("g", 100, 0.0)) == 100
