@@ -4,7 +4,7 @@ name, each carrying the protocol version and the run id (DESIGN §3).
 Who sends what:
 
     LeaseRequest   generator -> buffer    "I can take N more samples"
-    Lease          buffer -> generator    one sample of one prompt to generate
+    LeaseGrant     buffer -> generator    Leases: each one sample of one prompt to generate
     Chunk          generator -> buffer    new tokens of a lease, streamed as they are made
     Heartbeat      generator/trainer -> buffer
     BatchRequest   trainer rank -> buffer
@@ -73,6 +73,12 @@ class Lease(Message):
     to ``prefix_ids[i]``."""
     prefix_logprobs: list[float] = []
     prefix_versions: list[int] = []
+
+
+class LeaseGrant(Message):
+    """The buffer's answer to a LeaseRequest: at least one lease (it waits until it has one)."""
+
+    leases: list[Lease]
 
 
 class Chunk(Message):
@@ -145,6 +151,7 @@ class WeightsAnnounce(Message):
 ANY_MESSAGE = (
     LeaseRequest
     | Lease
+    | LeaseGrant
     | Chunk
     | Heartbeat
     | BatchRequest

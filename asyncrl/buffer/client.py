@@ -1,0 +1,41 @@
+"""The trainer side of the buffer: request a rank's share of a step's batch, announce
+published versions. One client per trainer rank (a DEALER socket)."""
+
+from __future__ import annotations
+
+import zmq
+
+from asyncrl.transport import TransportConfig, make_socket, read_endpoints
+from asyncrl.wire import Batch, BatchRequest, VersionAnnounce, WireDecoder, encode
+
+
+class BufferClient:
+    def __init__(self, run_dir: str, run_id: str, rank: int, transport: TransportConfig) -> None:
+        self.run_id, self.rank = run_id, rank
+        endpoints = read_endpoints(run_dir, "buffer")
+        if endpoints is None:
+            raise TimeoutError(f"the buffer never published its endpoints in {run_dir}")
+        self.ctx = zmq.Context()
+        self.sock = make_socket(self.ctx, zmq.DEALER, transport, identity=f"trainer-{rank}")
+        self.sock.connect(endpoints["trainer"])
+        self.decoder = WireDecoder(run_id, expected=Batch)
+
+    def request_batch(self, step: int, world_size: int, timeout_s: float = 600.0) -> Batch:
+        """Block until the buffer hands over this rank's share of ``step``'s batch."""
+        self.sock.send(
+            encode(
+                BatchRequest(run_id=self.run_id, step=step, rank=self.rank, world_size=world_size)
+            )
+        )
+        while True:
+            if not self.sock.poll(int(timeout_s * 1000)):
+                raise TimeoutError(f"no batch for step {step} after {timeout_s:.0f} s")
+            batch = self.decoder.try_decode(self.sock.recv(copy=False).buffer, "trainer socket")
+            if isinstance(batch, Batch) and batch.step == step:
+                return batch
+
+    def announce_version(self, version: int) -> None:
+        self.sock.send(encode(VersionAnnounce(run_id=self.run_id, version=version)))
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)

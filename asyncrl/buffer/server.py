@@ -1,0 +1,204 @@
+"""The buffer process: ``RolloutBuffer`` behind ZeroMQ sockets (DESIGN §2–§3).
+
+Sockets it binds (endpoints published in ``RUN_DIR/endpoints/buffer.json``):
+
+    chunks   PULL    Chunk and Heartbeat messages from generators
+    leases   ROUTER  LeaseRequest from generators, answered with LeaseGrant once it has one
+    trainer  ROUTER  BatchRequest from trainer ranks (answered with Batch once the step's
+                     batch is complete) and VersionAnnounce
+
+Every frame is decoded by a ``WireDecoder``; a bad frame, or a good message on the wrong
+socket, is counted by kind and dropped. Rewards come from the task's verifier. On exit
+(SIGTERM or ``stop``) the counters go to ``RUN_DIR/buffer_counters.json``.
+
+    python -m asyncrl.buffer.server --config RUN_DIR/rollout.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import zmq
+
+from asyncrl.buffer.core import RolloutBuffer
+from asyncrl.config import load_json
+from asyncrl.metrics import MetricsConfig, MetricsLogger
+from asyncrl.models import load_tokenizer
+from asyncrl.rollout import RolloutConfig, TaskPrompts
+from asyncrl.tasks import build_task
+from asyncrl.transport import bind, make_socket, write_endpoints
+from asyncrl.wire import (
+    Batch,
+    BatchRequest,
+    Chunk,
+    Heartbeat,
+    LeaseGrant,
+    LeaseRequest,
+    VersionAnnounce,
+    WireDecoder,
+    encode,
+)
+
+DRAIN = 1000  # messages handled per socket per loop turn, so no socket starves the others
+
+
+def task_scorer(cfg: RolloutConfig):
+    """``score(prompt_id, completion ids, reason)`` with the task's own verifier."""
+    task = build_task(cfg.task)
+    examples = task.examples("train")
+    tokenizer = load_tokenizer(cfg.model.path)
+    eos = tokenizer.eos_token_id
+
+    def score(prompt_id: int, completion: list[int], reason: str | None) -> float:
+        ids = completion[:-1] if completion and completion[-1] == eos else completion
+        return task.score(examples[prompt_id], tokenizer.decode(ids, skip_special_tokens=True))
+
+    return score
+
+
+class BufferServer:
+    def __init__(self, cfg: RolloutConfig, buffer: RolloutBuffer) -> None:
+        self.cfg, self.buffer = cfg, buffer
+        self.ctx = zmq.Context()
+        t = cfg.transport
+        self.chunks = make_socket(self.ctx, zmq.PULL, t)
+        self.leases = make_socket(self.ctx, zmq.ROUTER, t)
+        self.trainer = make_socket(self.ctx, zmq.ROUTER, t)
+        self.endpoints = {name: bind(sock, t, cfg.run_dir, f"buffer-{name}")
+                          for name, sock in (("chunks", self.chunks), ("leases", self.leases),
+                                             ("trainer", self.trainer))}  # fmt: skip
+        self.decoder = WireDecoder(cfg.run_id)
+        self.lease_waiting: dict[bytes, LeaseRequest] = {}
+        self.batch_waiting: dict[bytes, BatchRequest] = {}
+        self.stop_event = threading.Event()
+        self.socket_counts: Counter[str] = Counter()
+        self.metrics = MetricsLogger(cfg.run_dir, "buffer", MetricsConfig(progress_bar=False))
+
+    def serve(self) -> None:
+        write_endpoints(self.cfg.run_dir, "buffer", self.endpoints)
+        poller = zmq.Poller()
+        for sock in (self.chunks, self.leases, self.trainer):
+            poller.register(sock, zmq.POLLIN)
+        last_expire = last_metrics = time.time()
+        try:
+            while not self.stop_event.is_set():
+                ready = dict(poller.poll(timeout=20))
+                now = time.time()
+                if self.chunks in ready:
+                    self._drain(self.chunks, self._on_chunk_socket, now)
+                if self.leases in ready:
+                    self._drain(self.leases, self._on_lease_socket, now)
+                if self.trainer in ready:
+                    self._drain(self.trainer, self._on_trainer_socket, now)
+                if now - last_expire > 0.25:
+                    self.buffer.expire(now)
+                    last_expire = now
+                self._answer_waiting(now)
+                if now - last_metrics > 5.0:
+                    self._log_metrics()
+                    last_metrics = now
+        finally:
+            self._log_metrics()
+            self._write_counters()
+            self.metrics.close()
+            self.ctx.destroy(linger=0)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    # ---- sockets -------------------------------------------------------------------
+    def _drain(self, sock: zmq.Socket, handle, now: float) -> None:
+        for _ in range(DRAIN):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            handle(frames, now)
+
+    def _on_chunk_socket(self, frames, now: float) -> None:
+        if len(frames) != 1:
+            self.decoder.count("frames", f"chunks socket: {len(frames)} frames")
+            return
+        msg = self.decoder.try_decode(frames[0].buffer, "chunks socket")
+        if isinstance(msg, Chunk):
+            self.buffer.on_chunk(msg, now)
+        elif isinstance(msg, Heartbeat):
+            self.buffer.on_heartbeat(msg.worker_id, now)
+        elif msg is not None:
+            self.decoder.count("unexpected", f"{type(msg).__name__} on the chunks socket")
+
+    def _on_lease_socket(self, frames, now: float) -> None:
+        if len(frames) != 2:
+            self.decoder.count("frames", f"leases socket: {len(frames)} frames")
+            return
+        msg = self.decoder.try_decode(frames[1].buffer, "leases socket")
+        if isinstance(msg, LeaseRequest):
+            self.lease_waiting[frames[0].bytes] = msg
+        elif msg is not None:
+            self.decoder.count("unexpected", f"{type(msg).__name__} on the leases socket")
+
+    def _on_trainer_socket(self, frames, now: float) -> None:
+        if len(frames) != 2:
+            self.decoder.count("frames", f"trainer socket: {len(frames)} frames")
+            return
+        msg = self.decoder.try_decode(frames[1].buffer, "trainer socket")
+        if isinstance(msg, BatchRequest) and 0 <= msg.rank < msg.world_size:
+            self.batch_waiting[frames[0].bytes] = msg
+        elif isinstance(msg, VersionAnnounce):
+            self.buffer.set_version(msg.version)
+        elif msg is not None:
+            self.decoder.count("unexpected", f"{type(msg).__name__} on the trainer socket")
+
+    def _answer_waiting(self, now: float) -> None:
+        for identity, req in list(self.lease_waiting.items()):
+            leases = self.buffer.lease(req.worker_id, req.capacity, now)
+            if leases:
+                self.leases.send_multipart(
+                    [identity, encode(LeaseGrant(run_id=self.cfg.run_id, leases=leases))]
+                )
+                del self.lease_waiting[identity]
+        for identity, req in list(self.batch_waiting.items()):
+            samples = self.buffer.batch_for(req.step, req.rank, req.world_size)
+            if samples is not None:
+                batch = Batch(run_id=self.cfg.run_id, step=req.step, rank=req.rank, samples=samples)
+                self.trainer.send_multipart([identity, encode(batch)])
+                del self.batch_waiting[identity]
+
+    # ---- metrics -------------------------------------------------------------------
+    def counters(self) -> dict[str, float]:
+        out = {f"buffer/{k}": float(v) for k, v in self.buffer.counts.items()}
+        out.update({f"buffer/bad_frames_{k}": float(v) for k, v in self.decoder.errors.items()})
+        out["buffer/in_flight_samples"] = float(self.buffer.in_flight())
+        out["buffer/ready_groups"] = float(len(self.buffer.ready))
+        out["buffer/version"] = float(self.buffer.version)
+        return out
+
+    def _log_metrics(self) -> None:
+        self.metrics.log(int(self.buffer.version), self.counters())
+
+    def _write_counters(self) -> None:
+        path = Path(self.cfg.run_dir) / "buffer_counters.json"
+        path.write_text(json.dumps(self.counters(), indent=2, sort_keys=True))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Run the buffer process.")
+    parser.add_argument("--config", required=True, help="RolloutConfig JSON")
+    args = parser.parse_args(argv)
+    cfg: RolloutConfig = load_json(args.config)
+    prompts = TaskPrompts(build_task(cfg.task), cfg.model.path, cfg.seed)
+    buffer = RolloutBuffer(cfg.buffer, cfg.run_id, prompts, task_scorer(cfg), cfg.sampling.spec())
+    server = BufferServer(cfg, buffer)
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    signal.signal(signal.SIGINT, lambda *_: server.stop())
+    server.serve()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""The generator process: one engine, fed by leases from the buffer, streaming chunks back.
+
+It asks the buffer for as many leases as its engine has free slots, submits each as an
+engine request (prompt plus any prefix an earlier holder generated), steps the engine,
+and flushes each lease's new tokens as a ``Chunk`` every ``chunk_tokens`` tokens or
+``chunk_ms`` milliseconds, whichever comes first. It sends heartbeats with its weights
+version, and a background thread receives weight updates from the trainer's PUB socket
+and hands them to the engine's staged flip, so decoding never waits for a transfer.
+
+    python -m asyncrl.generator.worker --config RUN_DIR/rollout.json --worker-id g0
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from asyncrl.config import load_json
+from asyncrl.engine.base import Engine, Request, SamplingParams
+from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.rollout import RolloutConfig
+from asyncrl.transport import make_socket, read_endpoints
+from asyncrl.wire import (
+    Chunk,
+    Heartbeat,
+    Lease,
+    LeaseGrant,
+    LeaseRequest,
+    WeightsAnnounce,
+    WireDecoder,
+    decode_tensors,
+    encode,
+)
+
+
+@dataclass
+class _Pending:
+    """Tokens of one lease not yet sent."""
+
+    lease: Lease
+    seq: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    last_flush: float = 0.0
+
+
+class GeneratorWorker:
+    def __init__(self, cfg: RolloutConfig, worker_id: str, engine: Engine) -> None:
+        self.cfg, self.worker_id, self.engine = cfg, worker_id, engine
+        self.ctx = zmq.Context()
+        endpoints = read_endpoints(cfg.run_dir, "buffer")
+        if endpoints is None:
+            raise TimeoutError(f"the buffer never published its endpoints in {cfg.run_dir}")
+        t = cfg.transport
+        self.push = make_socket(self.ctx, zmq.PUSH, t)
+        self.push.connect(endpoints["chunks"])
+        self.dealer = make_socket(self.ctx, zmq.DEALER, t, identity=worker_id)
+        self.dealer.connect(endpoints["leases"])
+        self.decoder = WireDecoder(cfg.run_id)
+        self.pending: dict[str, _Pending] = {}
+        self.asked = False  # a LeaseRequest is out and unanswered
+        self.stop_event = threading.Event()
+        self.tokens_sent = 0
+        self._weights = threading.Thread(target=self._receive_weights, name="weights", daemon=True)
+        self._weights.start()
+
+    def run(self) -> None:
+        last_beat = 0.0
+        try:
+            while not self.stop_event.is_set():
+                now = time.time()
+                self._ask_for_leases()
+                self._take_leases(block_ms=0 if self._busy() else 50)
+                if self._busy():
+                    self._record(self.engine.step(), time.time())
+                self._flush(time.time(), force=False)
+                if now - last_beat >= self.cfg.transport.heartbeat_s:
+                    self._heartbeat()
+                    last_beat = now
+        finally:
+            self.stop_event.set()
+            self._weights.join(timeout=5)
+            self.ctx.destroy(linger=0)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    # ---- leases --------------------------------------------------------------------
+    def _busy(self) -> bool:
+        stats = self.engine.stats()
+        return stats["engine/running"] + stats["engine/waiting"] > 0
+
+    def _ask_for_leases(self) -> None:
+        stats = self.engine.stats()
+        free = int(stats["engine/free_slots"] - stats["engine/waiting"])
+        if free > 0 and not self.asked:
+            req = LeaseRequest(run_id=self.cfg.run_id, worker_id=self.worker_id, capacity=free)
+            self.dealer.send(encode(req))
+            self.asked = True
+
+    def _take_leases(self, block_ms: int) -> None:
+        if not self.dealer.poll(block_ms):
+            return
+        msg = self.decoder.try_decode(self.dealer.recv(copy=False).buffer, "leases socket")
+        self.asked = False
+        if not isinstance(msg, LeaseGrant):
+            return
+        now = time.time()
+        for lease in msg.leases:
+            s = lease.sampling
+            params = SamplingParams(max_new_tokens=max(1, s.max_new_tokens - len(lease.prefix_ids)),
+                                    temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
+                                    stop_token_ids=list(s.stop_token_ids))  # fmt: skip
+            self.engine.submit(Request(lease.lease_id, lease.prompt_ids + lease.prefix_ids, params))
+            self.pending[lease.lease_id] = _Pending(lease, last_flush=now)
+
+    # ---- chunks --------------------------------------------------------------------
+    def _record(self, out, now: float) -> None:
+        for t in out.tokens:
+            p = self.pending[t.request_id]
+            p.token_ids.append(t.token_id)
+            p.logprobs.append(t.logprob)
+            p.versions.append(t.version)
+        for f in out.finished:
+            self._send(self.pending.pop(f.request_id), now, finished=True, reason=f.reason)
+
+    def _flush(self, now: float, force: bool) -> None:
+        t = self.cfg.transport
+        for p in self.pending.values():
+            due = len(p.token_ids) >= t.chunk_tokens or (now - p.last_flush) * 1000 >= t.chunk_ms
+            if p.token_ids and (due or force):
+                self._send(p, now, finished=False, reason=None)
+
+    def _send(self, p: _Pending, now: float, finished: bool, reason: str | None) -> None:
+        chunk = Chunk(run_id=self.cfg.run_id, worker_id=self.worker_id, lease_id=p.lease.lease_id, seq=p.seq,
+                      token_ids=p.token_ids, logprobs=p.logprobs, versions=p.versions, finished=finished,
+                      finish_reason=reason)  # fmt: skip
+        self.push.send(encode(chunk))
+        self.tokens_sent += len(p.token_ids)
+        p.seq, p.last_flush = p.seq + 1, now
+        p.token_ids, p.logprobs, p.versions = [], [], []
+
+    def _heartbeat(self) -> None:
+        stats = self.engine.stats()
+        beat = Heartbeat(run_id=self.cfg.run_id, worker_id=self.worker_id, kind="generator",
+                         version=int(stats["engine/version"]), running=int(stats["engine/running"]),
+                         counters={"tokens_sent": float(self.tokens_sent)})  # fmt: skip
+        self.push.send(encode(beat))
+
+    # ---- weights -------------------------------------------------------------------
+    def _receive_weights(self) -> None:
+        """Subscribe to the trainer's weights once it has published its endpoint."""
+        endpoints = None
+        while endpoints is None and not self.stop_event.is_set():
+            endpoints = read_endpoints(self.cfg.run_dir, "trainer", timeout_s=1.0)
+        if endpoints is None:
+            return
+        sub = make_socket(self.ctx, zmq.SUB, self.cfg.transport)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(endpoints["weights"])
+        decoder = WireDecoder(self.cfg.run_id, expected=WeightsAnnounce)
+        while not self.stop_event.is_set():
+            if not sub.poll(200):
+                continue
+            frames = sub.recv_multipart(copy=False)
+            announce = decoder.try_decode(frames[0].buffer, "weights socket")
+            if announce is None:
+                continue
+            try:
+                tensors = decode_tensors(announce, [f.buffer for f in frames[1:]])
+                self.engine.stage_weights(tensors, announce.version)
+            except Exception as e:  # a bad update is counted and dropped, never fatal
+                decoder.count("frames", str(e))
+        sub.close(linger=0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Run one generator process.")
+    parser.add_argument("--config", required=True, help="RolloutConfig JSON")
+    parser.add_argument("--worker-id", required=True)
+    parser.add_argument(
+        "--model", default="", help="weights to start from (default: config's model)"
+    )
+    args = parser.parse_args(argv)
+    cfg: RolloutConfig = load_json(args.config)
+    engine = EmbeddedEngine(args.model or cfg.model.path, cfg.engine)
+    worker = GeneratorWorker(cfg, args.worker_id, engine)
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
+    signal.signal(signal.SIGINT, lambda *_: worker.stop())
+    worker.run()
+
+
+if __name__ == "__main__":
+    main()
