@@ -63,6 +63,7 @@ class GeneratorWorker:
         self.dealer = make_socket(self.ctx, zmq.DEALER, t, identity=worker_id)
         self.dealer.connect(endpoints["leases"])
         self.decoder = WireDecoder(cfg.run_id)
+        self.weights_decoder = WireDecoder(cfg.run_id, expected=WeightsAnnounce)
         self.pending: dict[str, _Pending] = {}
         self.asked = False  # a LeaseRequest is out and unanswered
         self.stop_event = threading.Event()
@@ -110,6 +111,8 @@ class GeneratorWorker:
         msg = self.decoder.try_decode(self.dealer.recv(copy=False).buffer, "leases socket")
         self.asked = False
         if not isinstance(msg, LeaseGrant):
+            if msg is not None:
+                self.decoder.count("unexpected", f"{type(msg).__name__} on the leases socket")
             return
         now = time.time()
         for lease in msg.leases:
@@ -148,9 +151,10 @@ class GeneratorWorker:
 
     def _heartbeat(self) -> None:
         stats = self.engine.stats()
+        bad = sum(self.decoder.errors.values()) + sum(self.weights_decoder.errors.values())
         beat = Heartbeat(run_id=self.cfg.run_id, worker_id=self.worker_id, kind="generator",
                          version=int(stats["engine/version"]), running=int(stats["engine/running"]),
-                         counters={"tokens_sent": float(self.tokens_sent)})  # fmt: skip
+                         counters={"tokens_sent": float(self.tokens_sent), "bad_frames": float(bad)})  # fmt: skip
         self.push.send(encode(beat))
 
     # ---- weights -------------------------------------------------------------------
@@ -164,7 +168,7 @@ class GeneratorWorker:
         sub = make_socket(self.ctx, zmq.SUB, self.cfg.transport)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(endpoints["weights"])
-        decoder = WireDecoder(self.cfg.run_id, expected=WeightsAnnounce)
+        decoder = self.weights_decoder
         while not self.stop_event.is_set():
             if not sub.poll(200):
                 continue
