@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from asyncrl.buffer.core import BufferConfig
+from asyncrl.buffer.rewards import RewardConfig
 from asyncrl.engine.embedded import EngineConfig
 from asyncrl.models import ModelConfig, load_tokenizer
 from asyncrl.tasks import Task, TaskConfig
@@ -44,6 +45,8 @@ class RolloutConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Scoring in worker processes (``workers=0``: inline in the buffer)."""
     transport: TransportConfig = field(default_factory=TransportConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
 

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import zmq
@@ -67,6 +68,8 @@ def test_buffer_generators_and_consumer_survive_a_generator_kill(tmp_path, tiny_
             if step == 2:
                 procs["g1"].send_signal(signal.SIGKILL)  # mid-run, holding leases
                 procs["g1"].wait()
+                # Past the heartbeat timeout the buffer must have taken its leases back.
+                time.sleep(cfg.buffer.heartbeat_timeout_s + 1.0)
             batch = client.request_batch(step, world_size=1, timeout_s=120)
             consumed += [
                 (step, s.group_id, s.sample_index, s.versions, s.loss_mask) for s in batch.samples

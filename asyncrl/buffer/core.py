@@ -66,12 +66,19 @@ class _Group:
 PromptSource = Callable[[int], tuple[int, list[int]]]
 """``prompts(position) -> (prompt_id, prompt token ids)``, deterministic in the position."""
 Scorer = Callable[[int, list[int], str | None], float]
-"""``score(prompt_id, completion token ids, finish reason) -> reward``."""
+"""``score(prompt_id, completion token ids, finish reason) -> reward``. Without one, the
+buffer lists finished samples in ``unscored`` and waits for ``on_reward``."""
 
 
 class RolloutBuffer:
-    def __init__(self, cfg: BufferConfig, run_id: str, prompts: PromptSource, score: Scorer,
-                 sampling: SamplingSpec) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: BufferConfig,
+        run_id: str,
+        prompts: PromptSource,
+        score: Scorer | None,
+        sampling: SamplingSpec,
+    ) -> None:
         self.cfg, self.run_id, self.prompts, self.score, self.sampling = (
             cfg,
             run_id,
@@ -93,6 +100,8 @@ class RolloutBuffer:
         self.batches: dict[int, list[list[Sample]]] = {}  # step -> per-rank shares not yet served
         self.last_seen: dict[str, float] = {}
         self.counts: Counter[str] = Counter()
+        self.unscored: list[tuple[tuple[int, int], int, list[int]]] = []  # (key, prompt id, tokens)
+        self.reward_sum = 0.0
 
     # ---- generators ----------------------------------------------------------------
     def lease(self, worker_id: str, capacity: int, now: float) -> list[Lease]:
@@ -223,11 +232,24 @@ class RolloutBuffer:
             self._end_group(group, "samples_failed")
             self.counts["groups_failed"] += 1
             return
+        if self.score is None:  # scored elsewhere (a worker pool); on_reward brings it back
+            self.unscored.append(((group_id, slot.index), group.prompt_id, list(slot.token_ids)))
+            return
         try:
-            slot.reward = float(self.score(group.prompt_id, slot.token_ids, reason))
+            reward = float(self.score(group.prompt_id, slot.token_ids, reason))
         except Exception:  # a reward function that raises gives 0 and is counted
-            slot.reward = 0.0
+            reward = 0.0
             self.counts["reward_errors"] += 1
+        self.on_reward((group_id, slot.index), reward)
+
+    def on_reward(self, key: tuple[int, int], reward: float) -> None:
+        """The reward of a finished sample; completes its group once all are scored."""
+        group = self.groups.get(key[0])
+        if group is None:
+            return  # the group ended meanwhile (failed)
+        group.slots[key[1]].reward = reward
+        self.counts["samples_scored"] += 1
+        self.reward_sum += reward
         if any(s.reward is None for s in group.slots):
             return
         rewards = {s.reward for s in group.slots}
@@ -235,7 +257,7 @@ class RolloutBuffer:
             self._end_group(group, "samples_filtered")
             self.counts["groups_filtered"] += 1
             return
-        self.ready.append(group_id)
+        self.ready.append(group.group_id)
 
     def _take_groups(self, step: int) -> list[_Group] | None:
         # Drop what became too stale, re-queueing its prompt, then take B if there are B.

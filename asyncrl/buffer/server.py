@@ -8,7 +8,8 @@ Sockets it binds (endpoints published in ``RUN_DIR/endpoints/buffer.json``):
                      batch is complete) and VersionAnnounce
 
 Every frame is decoded by a ``WireDecoder``; a bad frame, or a good message on the wrong
-socket, is counted by kind and dropped. Rewards come from the task's verifier. On exit
+socket, is counted by kind and dropped. Rewards come from the task's verifier, run in a
+``RewardPool`` of worker processes (a timeout or an exception gives 0 and is counted). On exit
 (SIGTERM or ``stop``) the counters go to ``RUN_DIR/buffer_counters.json``.
 
     python -m asyncrl.buffer.server --config RUN_DIR/rollout.json
@@ -27,6 +28,7 @@ from pathlib import Path
 import zmq
 
 from asyncrl.buffer.core import RolloutBuffer
+from asyncrl.buffer.rewards import RewardPool
 from asyncrl.config import load_json
 from asyncrl.metrics import MetricsConfig, MetricsLogger
 from asyncrl.models import load_tokenizer
@@ -48,23 +50,32 @@ from asyncrl.wire import (
 DRAIN = 1000  # messages handled per socket per loop turn, so no socket starves the others
 
 
-def task_scorer(cfg: RolloutConfig):
-    """``score(prompt_id, completion ids, reason)`` with the task's own verifier."""
-    task = build_task(cfg.task)
-    examples = task.examples("train")
-    tokenizer = load_tokenizer(cfg.model.path)
-    eos = tokenizer.eos_token_id
+class Scoring:
+    """Finished samples to rewards through a ``RewardPool`` (worker processes, or inline
+    with ``workers=0``), with the task's own verifier on the decoded completion."""
 
-    def score(prompt_id: int, completion: list[int], reason: str | None) -> float:
+    def __init__(self, cfg: RolloutConfig) -> None:
+        self.pool = RewardPool(cfg.task, cfg.reward)
+        self.tokenizer = load_tokenizer(cfg.model.path)
+
+    def text(self, completion: list[int]) -> str:
+        eos = self.tokenizer.eos_token_id
         ids = completion[:-1] if completion and completion[-1] == eos else completion
-        return task.score(examples[prompt_id], tokenizer.decode(ids, skip_special_tokens=True))
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    return score
+    def pump(self, buffer: RolloutBuffer) -> None:
+        for key, prompt_id, completion in buffer.unscored:
+            self.pool.submit(key, "train", prompt_id, self.text(completion))
+        buffer.unscored.clear()
+        for key, reward in self.pool.poll():
+            buffer.on_reward(key, reward)
 
 
 class BufferServer:
-    def __init__(self, cfg: RolloutConfig, buffer: RolloutBuffer) -> None:
-        self.cfg, self.buffer = cfg, buffer
+    def __init__(
+        self, cfg: RolloutConfig, buffer: RolloutBuffer, scoring: Scoring | None = None
+    ) -> None:
+        self.cfg, self.buffer, self.scoring = cfg, buffer, scoring
         self.ctx = zmq.Context()
         t = cfg.transport
         self.chunks = make_socket(self.ctx, zmq.PULL, t)
@@ -96,6 +107,8 @@ class BufferServer:
                     self._drain(self.leases, self._on_lease_socket, now)
                 if self.trainer in ready:
                     self._drain(self.trainer, self._on_trainer_socket, now)
+                if self.scoring is not None:
+                    self.scoring.pump(self.buffer)
                 if now - last_expire > 0.25:
                     self.buffer.expire(now)
                     last_expire = now
@@ -107,6 +120,8 @@ class BufferServer:
             self._log_metrics()
             self._write_counters()
             self.metrics.close()
+            if self.scoring is not None:
+                self.scoring.pool.close()
             self.ctx.destroy(linger=0)
 
     def stop(self) -> None:
@@ -177,6 +192,12 @@ class BufferServer:
         out["buffer/in_flight_samples"] = float(self.buffer.in_flight())
         out["buffer/ready_groups"] = float(len(self.buffer.ready))
         out["buffer/version"] = float(self.buffer.version)
+        scored = self.buffer.counts["samples_scored"]
+        out["buffer/reward_mean"] = self.buffer.reward_sum / scored if scored else 0.0
+        if self.scoring is not None:
+            out.update(
+                {f"buffer/reward_{k}": float(v) for k, v in self.scoring.pool.counters().items()}
+            )
         return out
 
     def _log_metrics(self) -> None:
@@ -193,8 +214,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     cfg: RolloutConfig = load_json(args.config)
     prompts = TaskPrompts(build_task(cfg.task), cfg.model.path, cfg.seed)
-    buffer = RolloutBuffer(cfg.buffer, cfg.run_id, prompts, task_scorer(cfg), cfg.sampling.spec())
-    server = BufferServer(cfg, buffer)
+    buffer = RolloutBuffer(cfg.buffer, cfg.run_id, prompts, None, cfg.sampling.spec())
+    server = BufferServer(cfg, buffer, Scoring(cfg))
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     server.serve()
