@@ -64,6 +64,7 @@ class Simulation:
             (self.train_step, 10),
             (self.kill, 1),
             (self.restart, 1),
+            (self.restart_buffer, 1),
         ]
         moves, weights = zip(*table)
         for move in self.rng.choices(moves, weights, k=actions):
@@ -114,6 +115,13 @@ class Simulation:
     def restart(self) -> None:
         self.alive[self.rng.choice(GENERATORS)] = True
 
+    def restart_buffer(self) -> None:
+        """The buffer process dies and comes back from its saved state."""
+        data = self.buffer.state()
+        self.buffer = RolloutBuffer(self.buffer.cfg, "run", prompts, score, SamplingSpec())
+        self.buffer.restore(data, self.now)
+        assert self.buffer.state() == data
+
     def advance(self) -> None:
         self.now += self.rng.choice([0.5, 1.0, 2.0, 30.0])
         for g in GENERATORS:
@@ -154,6 +162,7 @@ def test_buffer_invariants_under_random_schedules(eta, dynamic, seed):
     event(
         f"stale groups dropped: {bool(c['groups_stale'])}, reissued leases: {bool(c['leases_reissued'])}"
     )
+    assert sum(sim.buffer.staleness.values()) == c["samples_consumed"]
 
 
 def test_eta_zero_is_one_batch_of_prompts_per_version():

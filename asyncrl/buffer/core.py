@@ -17,6 +17,8 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from asyncrl.buffer.staleness import StalenessGate
 from asyncrl.trainer.packing import split_balanced
 from asyncrl.wire import Chunk, Lease, Sample, SamplingSpec
@@ -36,6 +38,8 @@ class BufferConfig:
     """A generator silent this long is presumed dead and its leases are re-issued."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (no learning signal) and lease more prompts."""
+    checkpoint_s: float = 30.0
+    """The buffer process saves its state this often (and at exit); 0 disables it."""
 
 
 @dataclass
@@ -61,6 +65,26 @@ class _Group:
     prompt_id: int
     prompt_ids: list[int]
     slots: list[_Slot]
+
+
+class BufferState(msgspec.Struct):
+    """Everything ``RolloutBuffer`` needs to resume, as msgpack (written to local disk by
+    the buffer process; never pickled)."""
+
+    version: int
+    prompt_position: int
+    retry_prompts: list[tuple[int, list[int]]]
+    prompts_counted: int
+    groups: list[_Group]
+    next_group_id: int
+    next_lease: int
+    to_lease: list[tuple[int, int]]
+    ready: list[int]
+    batches: dict[int, list[list[Sample]]]
+    counts: dict[str, int]
+    unscored: list[tuple[tuple[int, int], int, list[int]]]
+    reward_sum: float
+    staleness: dict[int, int]
 
 
 PromptSource = Callable[[int], tuple[int, list[int]]]
@@ -102,6 +126,7 @@ class RolloutBuffer:
         self.counts: Counter[str] = Counter()
         self.unscored: list[tuple[tuple[int, int], int, list[int]]] = []  # (key, prompt id, tokens)
         self.reward_sum = 0.0
+        self.staleness: Counter[int] = Counter()  # consumed samples by staleness (histogram)
 
     # ---- generators ----------------------------------------------------------------
     def lease(self, worker_id: str, capacity: int, now: float) -> list[Lease]:
@@ -170,6 +195,9 @@ class RolloutBuffer:
             if groups is None:
                 return None
             samples = [self._sample(g, s) for g in groups for s in g.slots]
+            for sample in samples:
+                generated = [v for v, m in zip(sample.versions, sample.loss_mask) if m]
+                self.staleness[step - min(generated, default=step)] += 1
             shares = split_balanced([len(s.token_ids) for s in samples], world_size)
             self.batches[step] = [[samples[i] for i in share] for share in shares]
             self.counts["samples_consumed"] += len(samples)
@@ -178,9 +206,45 @@ class RolloutBuffer:
         self.batches[step][rank] = []
         return share
 
+    # ---- state ---------------------------------------------------------------------
+    def state(self) -> bytes:
+        """The buffer's state as msgpack; ``restore`` takes it back."""
+        return msgspec.msgpack.encode(BufferState(
+            version=self.version, prompt_position=self.prompt_position,
+            retry_prompts=list(self.retry_prompts), prompts_counted=self.prompts_counted,
+            groups=list(self.groups.values()), next_group_id=self.next_group_id, next_lease=self.next_lease,
+            to_lease=list(self.to_lease), ready=list(self.ready), batches=self.batches,
+            counts=dict(self.counts), unscored=self.unscored, reward_sum=self.reward_sum,
+            staleness=dict(self.staleness),
+        ))  # fmt: skip
+
+    def restore(self, data: bytes, now: float) -> None:
+        """Resume from ``state()``. Leases stay with their holders: a generator that is still
+        alive keeps streaming into them; one that is not misses heartbeats and loses them."""
+        st = msgspec.msgpack.decode(data, type=BufferState)
+        self.version, self.prompt_position, self.prompts_counted = (
+            st.version,
+            st.prompt_position,
+            st.prompts_counted,
+        )
+        self.retry_prompts = deque((p, list(ids)) for p, ids in st.retry_prompts)
+        self.groups = {g.group_id: g for g in st.groups}
+        self.next_group_id, self.next_lease = st.next_group_id, st.next_lease
+        self.to_lease, self.ready, self.batches = deque(st.to_lease), deque(st.ready), st.batches
+        self.leases = {
+            s.lease_id: (g.group_id, s.index) for g in st.groups for s in g.slots if s.lease_id
+        }
+        self.counts, self.unscored, self.reward_sum = Counter(st.counts), st.unscored, st.reward_sum
+        self.staleness = Counter(st.staleness)
+        # Holders get a full heartbeat timeout from the restart to show they are alive.
+        self.last_seen = {s.worker_id: now for g in st.groups for s in g.slots if s.lease_id}
+
     # ---- accounting ----------------------------------------------------------------
     def in_flight(self) -> int:
         return sum(len(g.slots) for g in self.groups.values())
+
+    def in_flight_tokens(self) -> int:
+        return sum(len(s.token_ids) for g in self.groups.values() for s in g.slots)
 
     def check_accounting(self) -> None:
         c = self.counts

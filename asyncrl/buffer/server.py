@@ -10,7 +10,9 @@ Sockets it binds (endpoints published in ``RUN_DIR/endpoints/buffer.json``):
 Every frame is decoded by a ``WireDecoder``; a bad frame, or a good message on the wrong
 socket, is counted by kind and dropped. Rewards come from the task's verifier, run in a
 ``RewardPool`` of worker processes (a timeout or an exception gives 0 and is counted). On exit
-(SIGTERM or ``stop``) the counters go to ``RUN_DIR/buffer_counters.json``.
+(SIGTERM or ``stop``) the counters go to ``RUN_DIR/buffer_counters.json``. Its state is
+saved to ``RUN_DIR/buffer_state.msgpack`` every ``checkpoint_s`` and at exit, and restored
+from there when the process starts again on the same run directory.
 
     python -m asyncrl.buffer.server --config RUN_DIR/rollout.json
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import threading
 import time
@@ -91,12 +94,23 @@ class BufferServer:
         self.socket_counts: Counter[str] = Counter()
         self.metrics = MetricsLogger(cfg.run_dir, "buffer", MetricsConfig(progress_bar=False))
 
+    @property
+    def state_path(self) -> Path:
+        return Path(self.cfg.run_dir) / "buffer_state.msgpack"
+
+    def save_state(self) -> None:
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_bytes(self.buffer.state())
+        os.replace(tmp, self.state_path)  # a crash mid-write leaves the previous state
+
     def serve(self) -> None:
+        if self.state_path.exists():
+            self.buffer.restore(self.state_path.read_bytes(), time.time())
         write_endpoints(self.cfg.run_dir, "buffer", self.endpoints)
         poller = zmq.Poller()
         for sock in (self.chunks, self.leases, self.trainer):
             poller.register(sock, zmq.POLLIN)
-        last_expire = last_metrics = time.time()
+        last_expire = last_metrics = last_save = time.time()
         try:
             while not self.stop_event.is_set():
                 ready = dict(poller.poll(timeout=20))
@@ -113,10 +127,15 @@ class BufferServer:
                     self.buffer.expire(now)
                     last_expire = now
                 self._answer_waiting(now)
+                if self.cfg.buffer.checkpoint_s and now - last_save > self.cfg.buffer.checkpoint_s:
+                    self.save_state()
+                    last_save = now
                 if now - last_metrics > 5.0:
                     self._log_metrics()
                     last_metrics = now
         finally:
+            if self.cfg.buffer.checkpoint_s:
+                self.save_state()
             self._log_metrics()
             self._write_counters()
             self.metrics.close()
@@ -190,6 +209,10 @@ class BufferServer:
         out = {f"buffer/{k}": float(v) for k, v in self.buffer.counts.items()}
         out.update({f"buffer/bad_frames_{k}": float(v) for k, v in self.decoder.errors.items()})
         out["buffer/in_flight_samples"] = float(self.buffer.in_flight())
+        out["buffer/in_flight_tokens"] = float(self.buffer.in_flight_tokens())
+        out.update(
+            {f"buffer/staleness_{k}": float(v) for k, v in sorted(self.buffer.staleness.items())}
+        )
         out["buffer/ready_groups"] = float(len(self.buffer.ready))
         out["buffer/version"] = float(self.buffer.version)
         scored = self.buffer.counts["samples_scored"]
