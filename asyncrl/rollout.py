@@ -5,13 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from asyncrl.buffer.core import BufferConfig
 from asyncrl.buffer.rewards import RewardConfig
 from asyncrl.engine.embedded import EngineConfig
 from asyncrl.models import ModelConfig, load_tokenizer
-from asyncrl.tasks import Task, TaskConfig
+from asyncrl.tasks import Task, TaskConfig, stream_index
 from asyncrl.transport import TransportConfig
 from asyncrl.wire import SamplingSpec
 
@@ -52,21 +50,16 @@ class RolloutConfig:
 
 
 class TaskPrompts:
-    """Prompt ``position`` of the stream: train example ``perm(epoch)[position mod N]``,
+    """Prompt ``position`` of the stream (train examples, reshuffled every epoch),
     tokenized; a pure function of (seed, position), so a restarted buffer resumes it."""
 
     def __init__(self, task: Task, tokenizer_path: str, seed: int) -> None:
         self.examples = task.examples("train")
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.seed = seed
-        self._perms: dict[int, np.ndarray] = {}
 
     def __call__(self, position: int) -> tuple[int, list[int]]:
-        n = len(self.examples)
-        epoch = position // n
-        if epoch not in self._perms:
-            self._perms = {epoch: np.random.default_rng([self.seed, epoch]).permutation(n)}
-        index = int(self._perms[epoch][position % n])
+        index = stream_index(self.seed, position, len(self.examples))
         return index, self.tokenizer(self.examples[index].prompt, add_special_tokens=False)[
             "input_ids"
         ]

@@ -15,14 +15,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import ClassVar
 
-import numpy as np
-
 from asyncrl.algorithms.losses import sft_loss
 from asyncrl.evaluation import EvalConfig, greedy_accuracy
 from asyncrl.metrics import MetricsConfig, MetricsLogger
 from asyncrl.models import ModelConfig, build_tiny_model, load_model, load_tokenizer
 from asyncrl.stages.common import stage_main
-from asyncrl.tasks import Example, Task, TaskConfig, build_task
+from asyncrl.tasks import Example, Task, TaskConfig, build_task, stream_index
 from asyncrl.trainer.checkpoint import (
     export_hf,
     latest_checkpoint,
@@ -77,15 +75,11 @@ class SFTExperiment:
 
 
 class SFTData:
-    """Global batches of tokenized (prompt, completion) pairs, reshuffled every epoch.
-
-    Position ``p`` of the stream is example ``perm(epoch)[p mod N]``, so the stream is a
-    pure function of (seed, position) and resuming needs only the position.
-    """
+    """Global batches of tokenized (prompt, completion) pairs from the task's train split,
+    reshuffled every epoch (``stream_index``), so resuming needs only the position."""
 
     def __init__(self, examples: list[Example], tokenizer, seed: int) -> None:
         self.examples, self.tokenizer, self.seed = examples, tokenizer, seed
-        self._perms: dict[int, np.ndarray] = {}
         self._cache: dict[int, TokenSequence] = {}
 
     def _sequence(self, index: int) -> TokenSequence:
@@ -101,13 +95,9 @@ class SFTData:
 
     def batch(self, position: int, size: int) -> list[TokenSequence]:
         n = len(self.examples)
-        out = []
-        for p in range(position, position + size):
-            epoch = p // n
-            if epoch not in self._perms:
-                self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(n)
-            out.append(self._sequence(int(self._perms[epoch][p % n])))
-        return out
+        return [
+            self._sequence(stream_index(self.seed, p, n)) for p in range(position, position + size)
+        ]
 
 
 def build_model_for_task(path: str | Path, task: Task, cfg: ModelConfig) -> Path:

@@ -7,7 +7,15 @@ verified) or JSONL files. SFT, evaluation and the buffer's reward workers use it
 
 from __future__ import annotations
 
-from asyncrl.tasks.base import DataError, Example, Task, TaskConfig, build_task, extract_answer
+from asyncrl.tasks.base import (
+    DataError,
+    Example,
+    Task,
+    TaskConfig,
+    build_task,
+    extract_answer,
+    stream_index,
+)
 from asyncrl.tasks.jsonl import load_jsonl
 
 __all__ = [
@@ -18,4 +26,5 @@ __all__ = [
     "build_task",
     "extract_answer",
     "load_jsonl",
+    "stream_index",
 ]

@@ -10,11 +10,14 @@ interface, prompt/completion templates, answer extraction and ``build_task``.
 
 from __future__ import annotations
 
+import functools
 import re
 import string
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
+
+import numpy as np
 
 Split = Literal["train", "eval"]
 
@@ -175,3 +178,15 @@ def build_task(cfg: TaskConfig) -> Task:
 
         return JsonlTask(cfg)
     raise ValueError(f'TaskConfig.source {cfg.source!r} is not "reasoning_gym" or "jsonl"')
+
+
+@functools.lru_cache(maxsize=8)
+def _epoch_permutation(seed: int, epoch: int, n: int) -> tuple[int, ...]:
+    return tuple(int(i) for i in np.random.default_rng([seed, epoch]).permutation(n))
+
+
+def stream_index(seed: int, position: int, n: int) -> int:
+    """Index of the example at ``position`` of an endless stream over ``n`` examples that
+    is reshuffled every epoch: a pure function of (seed, position), so a stage that saves
+    only its position resumes the same stream."""
+    return _epoch_permutation(seed, position // n, n)[position % n]
