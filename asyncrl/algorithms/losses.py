@@ -6,6 +6,9 @@ divides by the global normalizer so packing and rank count do not change the res
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 
 from asyncrl.trainer.logprobs import token_logprobs
@@ -31,3 +34,85 @@ def sft_loss(
         correct = torch.nn.functional.pad((predicted == input_ids[:, 1:]).float(), (1, 0))
         accuracy_sum = (correct * loss_mask).sum()
     return nll_sum, {"train/token_accuracy": accuracy_sum}
+
+
+@dataclass
+class PPOLossConfig:
+    clip_low: float = 0.2
+    """ε_low: the ratio is clipped below at 1 − ε_low."""
+    clip_high: float = 0.2
+    """ε_high: clipped above at 1 + ε_high (DAPO's clip-higher raises it, e.g. 0.28)."""
+    dual_clip: float = 0.0
+    """c > 1 bounds the loss of negative-advantage tokens at c·|A| (dual-clip PPO); 0 is off."""
+    use_decoupled_loss: bool = True
+    """Decoupled PPO (AReaL): ratio against the recomputed proximal policy, corrected by
+    the behavior importance weight. False: standard PPO with the behavior policy as old."""
+    iw_cap: float = 5.0
+    """Truncation of the behavior importance weight exp(proximal − behavior)."""
+    kl_coef: float = 0.0
+    """β of the KL penalty to the reference policy in the loss (0: off)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token estimator of KL(π ‖ π_ref) (Schulman's k1, k2, k3)."""
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token KL(π ‖ π_ref) estimate from sampled tokens; all tensors ``[rows, T]``.
+
+    With r = ref − log π: k1 = −r, k2 = r²/2, k3 = exp(r) − 1 − r (unbiased, ≥ 0).
+    """
+    log_ratio = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.square()
+    if estimator == "k3":
+        return torch.expm1(log_ratio) - log_ratio
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+def ppo_loss(
+    logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cfg: PPOLossConfig,
+    ref_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The decoupled PPO objective (DESIGN §6, AReaL Eq. 5), summed over tokens.
+
+    Every tensor is ``[rows, T]``, aligned with the input ids: ``logprobs`` (current policy,
+    with grad), ``proximal_logprobs`` (recomputed at the start of the step, no grad),
+    ``behavior_logprobs`` (recorded by the generator), ``advantages``, ``loss_mask``.
+
+        w = min(exp(prox − behav), iw_cap)       u = exp(logp − prox)
+        pg = −w · min(u·A, clip(u, 1−ε_low, 1+ε_high)·A)    [dual clip: ≤ c·|A| when A < 0]
+        loss_sum = Σ mask · (pg + β·KL)
+
+    The caller divides by the global number of loss tokens (token-level mean). With
+    ``use_decoupled_loss=False`` the behavior logprobs play the proximal role and w = 1.
+    """
+    if not cfg.use_decoupled_loss:
+        proximal_logprobs = behavior_logprobs
+    proximal_logprobs = proximal_logprobs.detach()
+    weight = torch.exp(proximal_logprobs - behavior_logprobs).clamp(max=cfg.iw_cap).detach()
+    ratio = torch.exp(logprobs - proximal_logprobs)
+    clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    objective = torch.minimum(ratio * advantages, clipped * advantages)
+    if cfg.dual_clip > 1.0:
+        objective = torch.where(
+            advantages < 0, torch.maximum(objective, cfg.dual_clip * advantages), objective
+        )
+    per_token = -weight * objective
+    if cfg.kl_coef and ref_logprobs is not None:
+        per_token = per_token + cfg.kl_coef * kl_estimate(logprobs, ref_logprobs, cfg.kl_estimator)
+    mask = loss_mask
+    with torch.no_grad():
+        was_clipped = (ratio * advantages > clipped * advantages).float()
+        metrics = {
+            "train/clip_fraction": (was_clipped * mask).sum(),
+            "train/importance_weight": (weight * mask).sum(),
+            "train/importance_weight_capped": ((weight >= cfg.iw_cap).float() * mask).sum(),
+            "train/approx_kl_proximal": ((proximal_logprobs - logprobs) * mask).sum(),
+        }
+    return (per_token * mask).sum(), metrics
