@@ -4,10 +4,11 @@
 
 Loads the experiment file's ``config``, applies the overrides (each parsed into its
 field's type; a bad key or value stops here with a message naming it), computes derived
-values, saves the resolved config as ``RUN_DIR/config.json``, then starts the stage's
-trainer ranks as processes, each with its own log under ``RUN_DIR/logs/``. Rank 0's
-output is also shown here. If a rank dies, the others are stopped and the tail of its
-log is printed; Ctrl-C stops everything cleanly.
+values, saves the resolved config as ``RUN_DIR/config.json``, then starts the
+experiment's processes (trainer ranks; for RL also the buffer and the generators), each
+with its own log under ``RUN_DIR/logs/``. Rank 0's output is also shown here. A generator
+that dies is restarted and rejoins; any other death stops the run with the tail of that
+process's log. The run ends when the trainer ranks finish; Ctrl-C stops everything.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 from pathlib import Path
 
 from asyncrl.config import ConfigError, apply_overrides, load_experiment, save_json, to_dict
-from asyncrl.stages.common import threads_for
+from asyncrl.stages.common import ProcessSpec
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -60,73 +61,77 @@ def log_tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def start_ranks(cfg, config_path: Path) -> list[tuple[subprocess.Popen, Path, threading.Thread]]:
-    run_dir = Path(cfg.run_dir)
-    logs = run_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    # gloo's file rendezvous must start from a fresh file.
-    (run_dir / "rendezvous").unlink(missing_ok=True)
-    world = cfg.trainer.num_ranks
-    threads = threads_for(cfg.trainer.threads_per_rank, world)
-    procs = []
-    for rank in range(world):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_RANK=str(rank),
-            OMP_NUM_THREADS=str(threads),
-            PYTHONUNBUFFERED="1",
-        )
-        env.pop("MASTER_ADDR", None)  # local ranks meet through the rendezvous file
-        log_path = logs / f"trainer_{rank}.log"
-        proc = subprocess.Popen(
-            [sys.executable, "-m", cfg.entry, "--config", str(config_path)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        log_file = open(log_path, "ab")
-        echo = sys.stdout.buffer if rank == 0 else None
-        thread = threading.Thread(target=_tee, args=(proc.stdout, log_file, echo), daemon=True)
-        thread.start()
-        procs.append((proc, log_path, thread))
-    return procs
+class Running:
+    """One started process: its spec, Popen, log and the thread copying its output."""
 
+    def __init__(self, spec: ProcessSpec, run_dir: Path, world: int) -> None:
+        self.spec, self.restarts = spec, 0
+        self.log_path = run_dir / "logs" / f"{spec.name}.log"
+        self.start(world)
 
-def stop_all(procs, grace_s: float = 10.0) -> None:
-    for proc, _, _ in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.time() + grace_s
-    for proc, _, _ in procs:
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def supervise(procs) -> int:
-    """Wait for every rank; on the first failure stop the rest and report it."""
-    while True:
-        codes = [proc.poll() for proc, _, _ in procs]
-        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
-            rank, code = failed[0]
-            stop_all(procs)
-            for _, _, thread in procs:
-                thread.join(timeout=2)
-            log_path = procs[rank][1]
-            print(
-                f"\n[launch] trainer rank {rank} exited with code {code}; last lines of {log_path}:\n"
-                f"{log_tail(log_path)}",
-                file=sys.stderr,
+    def start(self, world: int) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.spec.threads), PYTHONUNBUFFERED="1")
+        if self.spec.rank is not None:
+            env.update(
+                RANK=str(self.spec.rank), WORLD_SIZE=str(world), LOCAL_RANK=str(self.spec.rank)
             )
+            env.pop("MASTER_ADDR", None)  # local ranks meet through the rendezvous file
+        self.proc = subprocess.Popen([sys.executable, "-m", self.spec.module, *self.spec.args], env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+        echo = sys.stdout.buffer if self.spec.rank == 0 else None  # rank 0 is shown here too
+        self.thread = threading.Thread(target=_tee, args=(self.proc.stdout, open(self.log_path, "ab"), echo),
+                                       daemon=True)  # fmt: skip
+        self.thread.start()
+
+
+def start_all(cfg, config_path: Path) -> list[Running]:
+    run_dir = Path(cfg.run_dir)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (run_dir / "rendezvous").unlink(missing_ok=True)  # gloo's file rendezvous starts fresh
+    for stale in (run_dir / "endpoints").glob("*.json"):
+        stale.unlink()  # endpoints of an earlier launch on this run directory
+    world = cfg.trainer.num_ranks
+    return [Running(spec, run_dir, world) for spec in cfg.processes(str(config_path))]
+
+
+def stop_all(running: list[Running], grace_s: float = 10.0) -> None:
+    for r in running:
+        if r.proc.poll() is None:
+            r.proc.send_signal(signal.SIGTERM)
+    deadline = time.time() + grace_s
+    for r in running:
+        try:
+            r.proc.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            r.proc.kill()
+            r.proc.wait()
+    for r in running:
+        r.thread.join(timeout=2)
+
+
+def supervise(running: list[Running], world: int, max_restarts: int = 20) -> int:
+    """Until every trainer rank has exited 0: restart dead generators; any other death
+    stops the run with the tail of that process's log."""
+    trainers = [r for r in running if r.spec.rank is not None]
+    while True:
+        for r in running:
+            code = r.proc.poll()
+            if code is None or (code == 0 and r.spec.rank is not None):
+                continue
+            if r.spec.restartable and r.restarts < max_restarts:
+                r.restarts += 1
+                print(
+                    f"[launch] {r.spec.name} exited with code {code}; restart {r.restarts}",
+                    file=sys.stderr,
+                )
+                r.start(world)
+                continue
+            stop_all(running)
+            print(f"\n[launch] {r.spec.name} exited with code {code}; last lines of {r.log_path}:\n"
+                  f"{log_tail(r.log_path)}", file=sys.stderr)  # fmt: skip
             return 1
-        if all(c == 0 for c in codes):
-            for _, _, thread in procs:
-                thread.join(timeout=5)
+        if all(r.proc.poll() == 0 for r in trainers):
+            stop_all(running)  # the trainer is done: the buffer and generators stop with it
             return 0
         time.sleep(0.2)
 
@@ -141,17 +146,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(json.dumps(to_dict(cfg), indent=2))
         return 0
+    first = getattr(cfg, "init_from_experiment", "")
+    if first and not Path(cfg.model.path).exists():
+        # The starting checkpoint comes from another stage (e.g. SFT before RL): run it first.
+        print(f"[launch] {cfg.model.path} is missing: running {first} first", flush=True)
+        code = main([first])
+        if code != 0:
+            return code
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.json"
     save_json(cfg, config_path)
     print(f"[launch] run directory: {run_dir}", flush=True)
-    procs = start_ranks(cfg, config_path)
+    running = start_all(cfg, config_path)
     try:
-        code = supervise(procs)
+        code = supervise(running, cfg.trainer.num_ranks)
     except KeyboardInterrupt:
         print("\n[launch] interrupted; stopping every process", file=sys.stderr)
-        stop_all(procs)
+        stop_all(running)
         return 130
     summary = run_dir / "summary.json"
     if code == 0 and summary.exists():

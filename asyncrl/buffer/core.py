@@ -123,10 +123,12 @@ class RolloutBuffer:
         self.ready: deque[int] = deque()  # complete, scored groups in completion order
         self.batches: dict[int, list[list[Sample]]] = {}  # step -> per-rank shares not yet served
         self.last_seen: dict[str, float] = {}
+        self.worker_versions: dict[str, int] = {}  # weights version each generator reports
         self.counts: Counter[str] = Counter()
         self.unscored: list[tuple[tuple[int, int], int, list[int]]] = []  # (key, prompt id, tokens)
         self.reward_sum = 0.0
         self.staleness: Counter[int] = Counter()  # consumed samples by staleness (histogram)
+        self.newest_consumed_version = 0
 
     # ---- generators ----------------------------------------------------------------
     def lease(self, worker_id: str, capacity: int, now: float) -> list[Lease]:
@@ -165,8 +167,10 @@ class RolloutBuffer:
                 self._finish(where[0], slot, c.finish_reason)
                 break
 
-    def on_heartbeat(self, worker_id: str, now: float) -> None:
+    def on_heartbeat(self, worker_id: str, now: float, version: int | None = None) -> None:
         self.last_seen[worker_id] = now
+        if version is not None:
+            self.worker_versions[worker_id] = version
 
     def expire(self, now: float) -> int:
         """Re-issue leases past their deadline or held by silent generators."""
@@ -194,12 +198,17 @@ class RolloutBuffer:
             groups = self._take_groups(step)
             if groups is None:
                 return None
-            samples = [self._sample(g, s) for g in groups for s in g.slots]
+            per_group = [[self._sample(g, s) for s in g.slots] for g in groups]
+            samples = [s for group in per_group for s in group]
             for sample in samples:
                 generated = [v for v, m in zip(sample.versions, sample.loss_mask) if m]
                 self.staleness[step - min(generated, default=step)] += 1
-            shares = split_balanced([len(s.token_ids) for s in samples], world_size)
-            self.batches[step] = [[samples[i] for i in share] for share in shares]
+                self.newest_consumed_version = max(self.newest_consumed_version, *generated, 0)
+            # Whole groups go to one rank (group-relative advantages need all of a group),
+            # groups balanced by tokens across ranks.
+            tokens = [sum(len(s.token_ids) for s in group) for group in per_group]
+            shares = split_balanced(tokens, world_size)
+            self.batches[step] = [[s for i in share for s in per_group[i]] for share in shares]
             self.counts["samples_consumed"] += len(samples)
             self.counts["groups_consumed"] += len(groups)
         share = self.batches[step][rank]

@@ -163,7 +163,7 @@ class BufferServer:
         if isinstance(msg, Chunk):
             self.buffer.on_chunk(msg, now)
         elif isinstance(msg, Heartbeat):
-            self.buffer.on_heartbeat(msg.worker_id, now)
+            self.buffer.on_heartbeat(msg.worker_id, now, msg.version)
         elif msg is not None:
             self.decoder.count("unexpected", f"{type(msg).__name__} on the chunks socket")
 
@@ -215,6 +215,10 @@ class BufferServer:
         )
         out["buffer/ready_groups"] = float(len(self.buffer.ready))
         out["buffer/version"] = float(self.buffer.version)
+        out["buffer/newest_consumed_version"] = float(self.buffer.newest_consumed_version)
+        if self.buffer.worker_versions:
+            out["buffer/generator_version_max"] = float(max(self.buffer.worker_versions.values()))
+            out["buffer/generator_version_min"] = float(min(self.buffer.worker_versions.values()))
         scored = self.buffer.counts["samples_scored"]
         out["buffer/reward_mean"] = self.buffer.reward_sum / scored if scored else 0.0
         if self.scoring is not None:

@@ -10,6 +10,7 @@ import os
 import random
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,3 +49,28 @@ def stage_main(run: Callable[[Any, DistInfo], Any], argv: list[str] | None = Non
         sys.stderr.flush()
         raise
     shutdown_distributed()
+
+
+@dataclass
+class ProcessSpec:
+    """One process of a run, as the launchers start it."""
+
+    name: str
+    """Also names its log file, ``RUN_DIR/logs/NAME.log``."""
+    module: str
+    """Run as ``python -m MODULE ARGS``."""
+    args: list[str]
+    rank: int | None = None
+    """Trainer rank (sets RANK / WORLD_SIZE / LOCAL_RANK), or None for other processes."""
+    restartable: bool = False
+    """A death is repaired by starting it again (generators) rather than ending the run."""
+    threads: int = 1
+    """OMP_NUM_THREADS for it."""
+
+
+def trainer_ranks(cfg, config_path: str) -> list[ProcessSpec]:
+    """The trainer ranks of a stage whose module is ``cfg.entry``."""
+    n = cfg.trainer.num_ranks
+    threads = threads_for(cfg.trainer.threads_per_rank, n)
+    return [ProcessSpec(f"trainer_{r}", cfg.entry, ["--config", config_path], rank=r, threads=threads)
+            for r in range(n)]  # fmt: skip

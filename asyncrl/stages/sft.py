@@ -19,7 +19,7 @@ from asyncrl.algorithms.losses import sft_loss
 from asyncrl.evaluation import EvalConfig, greedy_accuracy
 from asyncrl.metrics import MetricsConfig, MetricsLogger
 from asyncrl.models import ModelConfig, build_tiny_model, load_model, load_tokenizer
-from asyncrl.stages.common import stage_main
+from asyncrl.stages.common import ProcessSpec, stage_main, trainer_ranks
 from asyncrl.tasks import Example, Task, TaskConfig, build_task, stream_index
 from asyncrl.trainer.checkpoint import (
     export_hf,
@@ -63,6 +63,10 @@ class SFTExperiment:
 
     entry: ClassVar[str] = "asyncrl.stages.sft"
     """Module whose ``main`` runs one trainer rank of this stage."""
+
+    def processes(self, config_path: str) -> list[ProcessSpec]:
+        """What the launcher starts: the trainer ranks."""
+        return trainer_ranks(self, config_path)
 
     def finalize(self) -> None:
         """Derived values, computed here and nowhere else."""

@@ -67,6 +67,10 @@ class TaskConfig:
     answer_pattern: str | None = r"-?\d+"
     """Regex extracting the answer from a completion: last match, group 1 if the regex has a
     group. None: the stripped completion is the answer. The default suits integer answers."""
+    full_marks_only: bool = False
+    """Reward 1 for full marks and 0 for anything else. Verifiers' partial credit
+    (reasoning-gym gives some to answers that merely contain the reference) is easy for
+    RL to game, while evaluation counts only full marks."""
 
 
 @dataclass(frozen=True)

@@ -94,7 +94,10 @@ class ReasoningGymTask:
                 log.warning("%s: score_answer raised; scoring 0", self.name, exc_info=True)
                 self._warned_scorer_error = True
             return 0.0
-        return clamp_reward(reward)
+        reward = clamp_reward(reward)
+        if self.config.full_marks_only:
+            return 1.0 if reward >= 1.0 else 0.0
+        return reward
 
     def _train_example(self, index: int) -> Example:
         return self._example("train", index, self._train[index])

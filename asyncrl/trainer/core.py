@@ -114,7 +114,7 @@ class TrainerCore:
         )
         return out.logits
 
-    def _aligned(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
+    def align(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
         """Pad the list with empty micro-batches up to the largest count over ranks."""
         count = all_reduce_max(len(micro_batches), self.info.device)
         names = list(micro_batches[0].fields) if micro_batches else []
@@ -140,7 +140,7 @@ class TrainerCore:
         # FSDP averages gradients over ranks; multiplying by world size turns that
         # average into the sum that a global normalizer needs.
         scale = self.info.world_size / max(normalizer, 1.0)
-        batches = self._aligned(micro_batches)
+        batches = self.align(micro_batches)
         self.optimizer.zero_grad(set_to_none=True)
         loss_total = torch.zeros((), dtype=torch.float64)
         metric_sums: dict[str, float] = {}
