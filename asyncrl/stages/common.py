@@ -9,6 +9,7 @@ import argparse
 import os
 import random
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 
 from asyncrl.config import load_json
-from asyncrl.trainer.dist import DistInfo, init_distributed, shutdown_distributed
+from asyncrl.trainer.dist import DistInfo, all_reduce_max, init_distributed, shutdown_distributed
 
 
 def threads_for(threads_per_rank: int, num_ranks: int) -> int:
@@ -32,6 +33,12 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def out_of_time(start: float, limit_s: float, info: DistInfo) -> bool:
+    """Whether the stage's time limit has passed, agreed by all ranks (so all stop together)."""
+    late = limit_s > 0 and time.time() - start > limit_s
+    return bool(all_reduce_max(int(late), info.device))
 
 
 def stage_main(run: Callable[[Any, DistInfo], Any], argv: list[str] | None = None) -> None:

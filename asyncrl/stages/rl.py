@@ -31,13 +31,13 @@ from asyncrl.evaluation import EvalConfig
 from asyncrl.metrics import MetricsConfig, MetricsLogger
 from asyncrl.models import ModelConfig, load_tokenizer
 from asyncrl.rollout import RolloutConfig, SamplingConfig
-from asyncrl.stages.common import ProcessSpec, stage_main, trainer_ranks
+from asyncrl.stages.common import ProcessSpec, out_of_time, stage_main, trainer_ranks
 from asyncrl.stages.sft import Evaluator
 from asyncrl.tasks import TaskConfig, build_task
 from asyncrl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import TrainerCore
-from asyncrl.trainer.dist import DistInfo, all_reduce_max
+from asyncrl.trainer.dist import DistInfo
 from asyncrl.trainer.logprobs import token_logprobs
 from asyncrl.trainer.packing import TokenSequence, make_micro_batches
 from asyncrl.transport import TransportConfig, bind, make_socket, write_endpoints
@@ -223,8 +223,7 @@ def run(cfg: RLExperiment, info: DistInfo) -> dict:
                    "train/tokens_per_s": stats.tokens / stats.seconds, "train/wait_for_batch_s": waited,
                    "train/weight_publish_s": sync_s, "rollout/reward": sum(rewards) / max(len(rewards), 1),
                    **stats.metrics}  # fmt: skip
-        out_of_time = cfg.time_limit_s > 0 and time.time() - start > cfg.time_limit_s
-        stop = bool(all_reduce_max(int(out_of_time), info.device))
+        stop = out_of_time(start, cfg.time_limit_s, info)
         last = core.step >= cfg.rl.max_steps or stop
         if cfg.eval.every_steps and (core.step % cfg.eval.every_steps == 0 or last):
             accuracy = evaluate(core)

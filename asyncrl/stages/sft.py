@@ -19,7 +19,7 @@ from asyncrl.algorithms.losses import sft_loss
 from asyncrl.evaluation import EvalConfig, greedy_accuracy
 from asyncrl.metrics import MetricsConfig, MetricsLogger
 from asyncrl.models import ModelConfig, build_tiny_model, load_model, load_tokenizer
-from asyncrl.stages.common import ProcessSpec, stage_main, trainer_ranks
+from asyncrl.stages.common import ProcessSpec, out_of_time, stage_main, trainer_ranks
 from asyncrl.tasks import Example, Task, TaskConfig, build_task, stream_index
 from asyncrl.trainer.checkpoint import (
     export_hf,
@@ -29,7 +29,7 @@ from asyncrl.trainer.checkpoint import (
 )
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import TrainerCore, barrier
-from asyncrl.trainer.dist import DistInfo, all_reduce_max
+from asyncrl.trainer.dist import DistInfo
 from asyncrl.trainer.packing import TokenSequence, make_micro_batches, split_balanced
 
 
@@ -190,8 +190,7 @@ def run(cfg: SFTExperiment, info: DistInfo) -> dict:
             "train/skipped_steps": float(stats.skipped),
             **stats.metrics,
         }
-        out_of_time = cfg.time_limit_s > 0 and time.time() - start > cfg.time_limit_s
-        stop = bool(all_reduce_max(int(out_of_time), info.device))
+        stop = out_of_time(start, cfg.time_limit_s, info)
         last = core.step >= cfg.sft.max_steps or stop
         if cfg.eval.every_steps and (core.step % cfg.eval.every_steps == 0 or last):
             accuracy = evaluate(core)
