@@ -287,3 +287,26 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny_model_dir):
         return [t.token_id for t in tokens["me"]]
 
     assert generate(0) == generate(5)
+
+
+def test_sampling_follows_the_scaled_truncated_distribution():
+    """20,000 draws from one row of logits: frequencies match softmax(logits / T), and
+    top-k / top-p renormalize over the kept tokens (tolerance 0.015, about 4 sigma)."""
+    from asyncrl.engine.sampling import sample
+
+    torch.manual_seed(0)
+    row = torch.tensor([2.0, 1.0, 0.0, -1.0, 3.0])
+    logits = row.repeat(20_000, 1)
+
+    def freqs(params: SamplingParams) -> torch.Tensor:
+        tokens, _ = sample(logits, [params] * len(logits), [None] * len(logits))
+        return torch.bincount(torch.tensor(tokens), minlength=5).float() / len(logits)
+
+    for temperature in (1.0, 0.5):
+        expected = (row / temperature).softmax(-1)
+        assert torch.allclose(freqs(SamplingParams(temperature=temperature)), expected, atol=0.015)
+    top2 = torch.zeros(5)
+    top2[[0, 4]] = row[[0, 4]].softmax(-1)
+    assert torch.allclose(freqs(SamplingParams(top_k=2)), top2, atol=0.015)
+    # top_p = 0.8: tokens 4 (0.64) and 0 (0.23) reach it; the rest are cut.
+    assert torch.allclose(freqs(SamplingParams(top_p=0.8)), top2, atol=0.015)
