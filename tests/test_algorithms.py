@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from asyncrl.algorithms.advantages import gae, grpo_advantages, overlong_penalty, rloo_advantages
-from asyncrl.algorithms.losses import PPOLossConfig, kl_estimate, ppo_loss
+from asyncrl.algorithms.losses import PPOLossConfig, kl_estimate, ppo_loss, token_entropy
 
 
 def t(*values: float) -> torch.Tensor:
@@ -127,3 +127,17 @@ def test_gae_hand_computed():
 def test_overlong_penalty():
     got = overlong_penalty(torch.tensor([10, 15, 17, 20]), max_new_tokens=20, cache=5)
     assert got.tolist() == pytest.approx([0.0, 0.0, -0.4, -1.0])
+
+
+def test_entropy_hand_computed_and_bonus_in_loss():
+    logits = torch.zeros(1, 3, 4, dtype=torch.float64)
+    logits[0, 1] = torch.tensor([10.0, -10.0, -10.0, -10.0], dtype=torch.float64)  # nearly certain
+    h = token_entropy(logits)
+    assert h[0, 0].item() == 0.0  # nothing precedes token 0
+    assert h[0, 1].item() == pytest.approx(math.log(4))  # drawn from uniform logits at t=0
+    assert h[0, 2].item() == pytest.approx(0.0, abs=1e-6)
+    zeros, ones = torch.zeros(1, 3, dtype=torch.float64), torch.ones(1, 3, dtype=torch.float64)
+    cfg = PPOLossConfig(entropy_coef=0.1)
+    loss, metrics = ppo_loss(zeros, zeros, zeros, zeros, ones, cfg, entropy=h)
+    assert loss.item() == pytest.approx(-0.1 * math.log(4))
+    assert metrics["train/entropy"].item() == pytest.approx(math.log(4))

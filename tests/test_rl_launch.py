@@ -13,20 +13,23 @@ from pathlib import Path
 import pytest
 
 from asyncrl.metrics import read_metrics
+from asyncrl.models import ModelConfig, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("max_staleness", ["2", "0"])
 def test_launcher_runs_tiny_grpo(tmp_path, tiny_model_dir, max_staleness):
+    """η = 2 also runs the KL-to-reference and entropy terms and checks the HF export."""
     run_dir = tmp_path / "run"
+    extra = ["rl.loss.kl_coef=0.05", "rl.loss.entropy_coef=0.01"] if max_staleness == "2" else []
     cmd = [
         sys.executable, "launch/local.py", "experiments/tiny_grpo.py", f"run_dir={run_dir}",
         f"model.path={tiny_model_dir}", "rl.max_steps=4", "eval.every_steps=2", "eval.num_examples=8",
         "task.train_size=200", "buffer.prompts_per_batch=2", "buffer.samples_per_prompt=4",
         "buffer.dynamic_sampling=false", f"buffer.max_staleness={max_staleness}", "engine.max_slots=8",
         "transport.heartbeat_s=0.2",
-    ]  # fmt: skip
+    ] + extra  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -44,6 +47,9 @@ def test_launcher_runs_tiny_grpo(tmp_path, tiny_model_dir, max_staleness):
     if max_staleness == "0":
         # The synchronous baseline: every consumed token is exactly as old as its step.
         assert {k for k in counters if k.startswith("buffer/staleness_")} == {"buffer/staleness_0"}
+    if extra:
+        assert all("train/kl_reference" in r and "train/entropy" in r for r in records)
+        assert load_model(ModelConfig(path=summary["export_dir"])).config.model_type == "qwen2"
     assert sorted(p.name for p in (run_dir / "logs").iterdir()) == [
         "buffer.log",
         "generator_0.log",

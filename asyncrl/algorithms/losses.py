@@ -53,6 +53,18 @@ class PPOLossConfig:
     """β of the KL penalty to the reference policy in the loss (0: off)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """Per-token estimator of KL(π ‖ π_ref) (Schulman's k1, k2, k3)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (subtracted from the loss); 0 is off."""
+
+
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of the next-token distribution, aligned like ``token_logprobs``.
+
+    ``logits [rows, T, V]`` → ``[rows, T]``: entry t is the entropy of the distribution
+    that token t was drawn from (the logits at t − 1), 0 at t = 0.
+    """
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    return torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0), value=0.0)
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -78,16 +90,18 @@ def ppo_loss(
     loss_mask: torch.Tensor,
     cfg: PPOLossConfig,
     ref_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The decoupled PPO objective (DESIGN §6, AReaL Eq. 5), summed over tokens.
 
     Every tensor is ``[rows, T]``, aligned with the input ids: ``logprobs`` (current policy,
     with grad), ``proximal_logprobs`` (recomputed at the start of the step, no grad),
-    ``behavior_logprobs`` (recorded by the generator), ``advantages``, ``loss_mask``.
+    ``behavior_logprobs`` (recorded by the generator), ``advantages``, ``loss_mask``, and
+    optionally ``ref_logprobs`` (frozen reference) and ``entropy`` (``token_entropy``).
 
         w = min(exp(prox − behav), iw_cap)       u = exp(logp − prox)
         pg = −w · min(u·A, clip(u, 1−ε_low, 1+ε_high)·A)    [dual clip: ≤ c·|A| when A < 0]
-        loss_sum = Σ mask · (pg + β·KL)
+        loss_sum = Σ mask · (pg + β·KL − c_ent·H)
 
     The caller divides by the global number of loss tokens (token-level mean). With
     ``use_decoupled_loss=False`` the behavior logprobs play the proximal role and w = 1.
@@ -106,6 +120,8 @@ def ppo_loss(
     per_token = -weight * objective
     if cfg.kl_coef and ref_logprobs is not None:
         per_token = per_token + cfg.kl_coef * kl_estimate(logprobs, ref_logprobs, cfg.kl_estimator)
+    if cfg.entropy_coef and entropy is not None:
+        per_token = per_token - cfg.entropy_coef * entropy
     mask = loss_mask
     with torch.no_grad():
         was_clipped = (ratio * advantages > clipped * advantages).float()
@@ -115,4 +131,10 @@ def ppo_loss(
             "train/importance_weight_capped": ((weight >= cfg.iw_cap).float() * mask).sum(),
             "train/approx_kl_proximal": ((proximal_logprobs - logprobs) * mask).sum(),
         }
+        if entropy is not None:
+            metrics["train/entropy"] = (entropy * mask).sum()
+        if ref_logprobs is not None:
+            metrics["train/kl_reference"] = (
+                kl_estimate(logprobs, ref_logprobs, cfg.kl_estimator) * mask
+            ).sum()
     return (per_token * mask).sum(), metrics

@@ -21,7 +21,7 @@ import torch
 import zmq
 
 from asyncrl.algorithms.advantages import grpo_advantages, overlong_penalty, rloo_advantages
-from asyncrl.algorithms.losses import PPOLossConfig, ppo_loss
+from asyncrl.algorithms.losses import PPOLossConfig, ppo_loss, token_entropy
 from asyncrl.buffer.client import BufferClient
 from asyncrl.buffer.core import BufferConfig
 from asyncrl.buffer.rewards import RewardConfig
@@ -29,12 +29,17 @@ from asyncrl.config import save_json
 from asyncrl.engine.embedded import EngineConfig
 from asyncrl.evaluation import EvalConfig
 from asyncrl.metrics import MetricsConfig, MetricsLogger
-from asyncrl.models import ModelConfig, load_tokenizer
+from asyncrl.models import ModelConfig, load_model, load_tokenizer
 from asyncrl.rollout import RolloutConfig, SamplingConfig
 from asyncrl.stages.common import ProcessSpec, out_of_time, stage_main, trainer_ranks
 from asyncrl.stages.sft import Evaluator
 from asyncrl.tasks import TaskConfig, build_task
-from asyncrl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from asyncrl.trainer.checkpoint import (
+    export_hf,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import TrainerCore
 from asyncrl.trainer.dist import DistInfo
@@ -52,6 +57,8 @@ class RLConfig:
     """Optimizer steps (= published versions) of the run."""
     overlong_cache: int = 0
     """DAPO overlong shaping over this many tokens before ``max_new_tokens`` (0: off)."""
+    export_dir: str = ""
+    """Write the final policy as an HF directory here; empty means ``RUN_DIR/hf``."""
     loss: PPOLossConfig = field(default_factory=PPOLossConfig)
 
 
@@ -92,6 +99,8 @@ class RLExperiment:
             self.run_dir = f"runs/{self.name}-{datetime.now():%Y%m%d-%H%M%S}"
         if self.optim.total_steps <= 0:
             self.optim.total_steps = self.rl.max_steps
+        if not self.rl.export_dir:
+            self.rl.export_dir = str(Path(self.run_dir) / "hf")
 
     def processes(self, config_path: str) -> list[ProcessSpec]:
         """The buffer, the generators (restarted when they die) and the trainer ranks."""
@@ -187,15 +196,17 @@ def run(cfg: RLExperiment, info: DistInfo) -> dict:
     if info.is_main:
         client.announce_version(core.step)
     start, stop, temperature = time.time(), False, max(cfg.sampling.temperature, 1e-6)
+    # A frozen, unsharded copy of the starting policy on every rank when the loss has a KL term.
+    reference = load_model(cfg.model, info.device).eval() if cfg.rl.loss.kl_coef else None
 
     def loss_fn(logits, mb):
         f = mb.fields
         if "proximal" not in f:  # padding micro-batch of a rank that got no samples
             return logits.sum() * 0.0, {}
         logp = token_logprobs(logits, mb.input_ids, temperature)
-        return ppo_loss(
-            logp, f["proximal"], f["behavior"], f["advantages"], mb.loss_mask, cfg.rl.loss
-        )
+        entropy = token_entropy(logits, temperature) if cfg.rl.loss.entropy_coef else None
+        return ppo_loss(logp, f["proximal"], f["behavior"], f["advantages"], mb.loss_mask, cfg.rl.loss,
+                        ref_logprobs=f.get("reference"), entropy=entropy)  # fmt: skip
 
     while core.step < cfg.rl.max_steps and not stop:
         # 1. my share of this step's batch (whole groups, at most max_staleness old)
@@ -211,6 +222,16 @@ def run(cfg: RLExperiment, info: DistInfo) -> dict:
                 mb.fields["proximal"] = token_logprobs(
                     core.forward(moved), moved.input_ids, temperature
                 ).cpu()
+                if reference is not None:  # frozen starting policy, for the KL term
+                    ref_logits = reference(
+                        input_ids=moved.input_ids,
+                        position_ids=moved.position_ids,
+                        attention_mask=moved.attention_mask,
+                        use_cache=False,
+                    ).logits
+                    mb.fields["reference"] = token_logprobs(
+                        ref_logits, moved.input_ids, temperature
+                    ).cpu()
         # 3. one decoupled-PPO step
         stats = core.train_step(micro, loss_fn)
         # 4. publish version v+1 to the generators and announce it to the buffer
@@ -236,8 +257,11 @@ def run(cfg: RLExperiment, info: DistInfo) -> dict:
         every = cfg.trainer.checkpoint_every
         if (every and core.step % every == 0) or last:
             save_checkpoint(core, ckpt_root, {}, cfg.trainer.keep_checkpoints)
+    if cfg.rl.export_dir:
+        export_hf(core, cfg.rl.export_dir)
     summary = {"steps": core.step, "train_time_s": round(time.time() - start, 2),
-               "initial_eval_accuracy": initial, "final_eval_accuracy": accuracy.get("eval/accuracy")}  # fmt: skip
+               "initial_eval_accuracy": initial, "final_eval_accuracy": accuracy.get("eval/accuracy"),
+               "export_dir": cfg.rl.export_dir}  # fmt: skip
     log.write_summary(summary)
     log.close()
     client.close()
