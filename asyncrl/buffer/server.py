@@ -155,39 +155,42 @@ class BufferServer:
                 return
             handle(frames, now)
 
+    def _receive(self, frames, where: str, routed: bool):
+        """Decode one message from ``frames`` (``[identity, body]`` on a ROUTER socket,
+        ``[body]`` otherwise); bad frames are counted and give None."""
+        if len(frames) != (2 if routed else 1):
+            self.decoder.count("frames", f"{where}: {len(frames)} frames")
+            return None
+        return self.decoder.try_decode(frames[-1].buffer, where)
+
+    def _unexpected(self, msg, where: str) -> None:
+        if msg is not None:
+            self.decoder.count("unexpected", f"{type(msg).__name__} on the {where}")
+
     def _on_chunk_socket(self, frames, now: float) -> None:
-        if len(frames) != 1:
-            self.decoder.count("frames", f"chunks socket: {len(frames)} frames")
-            return
-        msg = self.decoder.try_decode(frames[0].buffer, "chunks socket")
+        msg = self._receive(frames, "chunks socket", routed=False)
         if isinstance(msg, Chunk):
             self.buffer.on_chunk(msg, now)
         elif isinstance(msg, Heartbeat):
             self.buffer.on_heartbeat(msg.worker_id, now, msg.version)
-        elif msg is not None:
-            self.decoder.count("unexpected", f"{type(msg).__name__} on the chunks socket")
+        else:
+            self._unexpected(msg, "chunks socket")
 
     def _on_lease_socket(self, frames, now: float) -> None:
-        if len(frames) != 2:
-            self.decoder.count("frames", f"leases socket: {len(frames)} frames")
-            return
-        msg = self.decoder.try_decode(frames[1].buffer, "leases socket")
+        msg = self._receive(frames, "leases socket", routed=True)
         if isinstance(msg, LeaseRequest):
             self.lease_waiting[frames[0].bytes] = msg
-        elif msg is not None:
-            self.decoder.count("unexpected", f"{type(msg).__name__} on the leases socket")
+        else:
+            self._unexpected(msg, "leases socket")
 
     def _on_trainer_socket(self, frames, now: float) -> None:
-        if len(frames) != 2:
-            self.decoder.count("frames", f"trainer socket: {len(frames)} frames")
-            return
-        msg = self.decoder.try_decode(frames[1].buffer, "trainer socket")
+        msg = self._receive(frames, "trainer socket", routed=True)
         if isinstance(msg, BatchRequest) and 0 <= msg.rank < msg.world_size:
             self.batch_waiting[frames[0].bytes] = msg
         elif isinstance(msg, VersionAnnounce):
             self.buffer.set_version(msg.version)
-        elif msg is not None:
-            self.decoder.count("unexpected", f"{type(msg).__name__} on the trainer socket")
+        else:
+            self._unexpected(msg, "trainer socket")
 
     def _answer_waiting(self, now: float) -> None:
         for identity, req in list(self.lease_waiting.items()):
