@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from asyncrl.buffer.core import BufferConfig
 from asyncrl.buffer.rewards import RewardConfig
 from asyncrl.engine.embedded import EngineConfig
+from asyncrl.metrics import MetricsConfig
 from asyncrl.models import ModelConfig, load_tokenizer
 from asyncrl.tasks import Task, TaskConfig, stream_index
 from asyncrl.transport import TransportConfig
@@ -47,14 +48,17 @@ class RolloutConfig:
     """Scoring in worker processes (``workers=0``: inline in the buffer)."""
     transport: TransportConfig = field(default_factory=TransportConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """The generators' TensorBoard switch and logging interval (the experiment's own)."""
 
 
 class TaskPrompts:
-    """Prompt ``position`` of the stream (train examples, reshuffled every epoch),
+    """Prompt ``position`` of the stream (the task's ``rl_split`` examples, reshuffled every epoch),
     tokenized; a pure function of (seed, position), so a restarted buffer resumes it."""
 
     def __init__(self, task: Task, tokenizer_path: str, seed: int) -> None:
-        self.examples = task.examples("train")
+        self.split = task.config.rl_split
+        self.examples = task.examples(self.split)
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.seed = seed
 

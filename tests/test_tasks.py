@@ -80,6 +80,20 @@ def test_eval_seed_overlapping_train_seeds_is_rejected():
     # reasoning-gym seeds item i with seed + i: eval_seed = seed + 1 is train shifted by one.
     with pytest.raises(ValueError, match="overlap"):
         build_task(TaskConfig(seed=0, eval_seed=1))
+    with pytest.raises(ValueError, match="unseen_seed range"):
+        build_task(TaskConfig(unseen_seed=TaskConfig().eval_seed + 10))
+
+
+def test_unseen_split_is_in_neither_train_nor_eval():
+    small = TaskConfig(train_size=3000, unseen_candidates=2000)
+    task = build_task(small)
+    unseen = task.examples("unseen")
+    prompts = [e.prompt for e in unseen]
+    assert 100 < len(prompts) == len(set(prompts)) < 2000
+    assert not set(prompts) & {e.prompt for e in task.examples("train")}
+    assert not set(prompts) & {e.prompt for e in task.examples("eval")}
+    assert unseen[0].uid.startswith("unseen:")
+    assert task.score(unseen[0], unseen[0].completion) == 1.0
 
 
 def test_eval_fails_when_train_covers_the_problem_space():

@@ -19,7 +19,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-Split = Literal["train", "eval"]
+Split = Literal["train", "eval", "unseen"]
 
 
 class DataError(ValueError):
@@ -67,6 +67,14 @@ class TaskConfig:
     answer_pattern: str | None = r"-?\d+"
     """Regex extracting the answer from a completion: last match, group 1 if the regex has a
     group. None: the stripped completion is the answer. The default suits integer answers."""
+    rl_split: Literal["train", "unseen"] = "train"
+    """Split that RL stages draw prompts from. "unseen" (reasoning_gym): problems in neither
+    train nor eval, for RL after SFT on train: a small policy partly memorizes its SFT
+    problems, and RL on those transfers little to held-out problems."""
+    unseen_seed: int = 2_000_000_000
+    """Seed of the unseen split's candidates; must be far from `seed` and `eval_seed`."""
+    unseen_candidates: int = 20000
+    """Problems drawn for the unseen split before dropping those in train or eval."""
     full_marks_only: bool = False
     """Reward 1 for full marks and 0 for anything else. Verifiers' partial credit
     (reasoning-gym gives some to answers that merely contain the reference) is easy for

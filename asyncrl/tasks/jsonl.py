@@ -123,7 +123,8 @@ class JsonlTask:
 
     def _load(self, split: Split) -> list[Example]:
         if split not in ("train", "eval"):
-            raise ValueError(f'split {split!r} is not "train" or "eval"')
+            # An RL prompt set of its own is a jsonl task with its own train_path.
+            raise ValueError(f'split {split!r} is not "train" or "eval" (jsonl tasks)')
         path = self.config.train_path if split == "train" else self.config.eval_path
         if path is None:
             raise ValueError("the eval split needs TaskConfig.eval_path, which is not set")

@@ -2,7 +2,9 @@
 
 Examples are generated on access from ``reasoning_gym`` datasets (item i of a dataset is a
 pure function of its seed and i), so the train split costs nothing until read. The eval
-split is drawn from a second seed and filtered so that no eval prompt occurs in train.
+split is drawn from a second seed and filtered so that no eval prompt occurs in train. The
+unseen split (RL prompts after SFT on train) is drawn from a third seed and keeps the
+distinct problems that occur in neither.
 Scoring extracts the answer with ``answer_pattern`` and defers to the dataset's own
 ``score_answer``.
 """
@@ -61,6 +63,8 @@ class ReasoningGymTask:
         self._train = _create_dataset(config, config.seed, config.train_size)
         self._eval_pool = _create_dataset(config, config.eval_seed, self._eval_candidates)
         self._eval_indices: list[int] | None = None
+        self._unseen_pool = _create_dataset(config, config.unseen_seed, config.unseen_candidates)
+        self._unseen_indices: list[int] | None = None
         self._warned_scorer_error = False
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -78,7 +82,11 @@ class ReasoningGymTask:
             if self._eval_indices is None:
                 self._eval_indices = self._held_out_indices()
             return LazyExamples(self._eval_indices, self._eval_example)
-        raise ValueError(f'split {split!r} is not "train" or "eval"')
+        if split == "unseen":
+            if self._unseen_indices is None:
+                self._unseen_indices = self._unseen()
+            return LazyExamples(self._unseen_indices, self._unseen_example)
+        raise ValueError(f'split {split!r} is not "train", "eval" or "unseen"')
 
     def score(self, example: Example, completion: str) -> float:
         answer = extract_answer(completion, self.config.answer_pattern)
@@ -104,6 +112,27 @@ class ReasoningGymTask:
 
     def _eval_example(self, index: int) -> Example:
         return self._example("eval", index, self._eval_pool[index])
+
+    def _unseen_example(self, index: int) -> Example:
+        return self._example("unseen", index, self._unseen_pool[index])
+
+    def _unseen(self) -> list[int]:
+        """Indices into the unseen pool of its distinct problems found in neither train nor
+        eval (only as many as the problem space leaves: a small space leaves few)."""
+        seen = {self._train[i]["question"] for i in range(self.config.train_size)}
+        seen |= {ex.meta["entry"]["question"] for ex in self.examples("eval")}
+        indices = []
+        for i in range(self.config.unseen_candidates):
+            question = self._unseen_pool[i]["question"]
+            if question not in seen:
+                seen.add(question)
+                indices.append(i)
+        if not indices:
+            raise ValueError(
+                f"{self.name}: none of {self.config.unseen_candidates} unseen candidates is "
+                "absent from train and eval; lower train_size or widen dataset_kwargs"
+            )
+        return indices
 
     def _example(self, split: Split, index: int, entry: dict[str, Any]) -> Example:
         cfg = self.config
@@ -150,18 +179,26 @@ class ReasoningGymTask:
 
 def _check_seeds(cfg: TaskConfig, eval_candidates: int) -> None:
     """reasoning-gym seeds item i with ``Random(seed + i)``, so eval_seed = seed + 1 would
-    make eval the train split shifted by one: the two seed ranges must not overlap."""
+    make eval the train split shifted by one: the splits' seed ranges must not overlap."""
+    ranges = {
+        "seed": (cfg.seed, cfg.train_size),
+        "eval_seed": (cfg.eval_seed, eval_candidates),
+        "unseen_seed": (cfg.unseen_seed, cfg.unseen_candidates),
+    }
     # Random(n) and Random(-n) are the same stream, so negative seeds could alias too.
-    if cfg.seed < 0 or cfg.eval_seed < 0:
-        raise ValueError(f"seed ({cfg.seed}) and eval_seed ({cfg.eval_seed}) must be >= 0")
-    train_end = cfg.seed + cfg.train_size
-    eval_end = cfg.eval_seed + eval_candidates
-    if cfg.seed < eval_end and cfg.eval_seed < train_end:
-        raise ValueError(
-            f"train seeds [{cfg.seed}, {train_end}) and eval seeds [{cfg.eval_seed}, "
-            f"{eval_end}) overlap: reasoning-gym seeds item i with seed + i, so eval would "
-            "repeat train items; move eval_seed outside the train range"
-        )
+    negative = [f"{k} ({start})" for k, (start, _) in ranges.items() if start < 0]
+    if negative:
+        raise ValueError(f"{', '.join(negative)} must be >= 0")
+    names = list(ranges)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            (a0, an), (b0, bn) = ranges[a], ranges[b]
+            if a0 < b0 + bn and b0 < a0 + an:
+                raise ValueError(
+                    f"{a} range [{a0}, {a0 + an}) and {b} range [{b0}, {b0 + bn}) overlap: "
+                    "reasoning-gym seeds item i with seed + i, so one split would repeat "
+                    f"the other's items; move {b} outside the {a} range"
+                )
 
 
 def _create_dataset(cfg: TaskConfig, seed: int, size: int) -> Any:
