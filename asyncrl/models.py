@@ -1,8 +1,12 @@
 """Models and tokenizers: one loading path for tiny and real Hugging Face causal LMs.
 
-The trainer, the evaluator and (later) the embedded engine all call ``load_model`` and
-``load_tokenizer`` on an HF directory. Tiny models for CPU work are built by
-``build_tiny_model``: a Qwen2-architecture config with random init and a character-level
+The trainer, the evaluator and the embedded engine all call ``load_model`` and
+``load_tokenizer`` on an HF directory. ``ModelConfig.head`` picks what sits on the
+backbone: the LM head, or a scalar value head (``AutoModelForTokenClassification`` with
+one label, one value per token) for PPO's critic and the reward model; a value model
+loaded from a causal-LM directory keeps its backbone and starts with a zero head.
+
+Tiny models for CPU work are built by ``build_tiny_model``: a Qwen2-architecture config with random init and a character-level
 tokenizer made with the ``tokenizers`` library over the task's alphabet, both written
 with ``save_pretrained`` so they load exactly like a downloaded model. Nothing here
 touches the network.
@@ -21,6 +25,8 @@ from tokenizers import Tokenizer, decoders, models
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
@@ -55,6 +61,9 @@ class ModelConfig:
     """Dtype the parameters are kept in; GPU runs compute in bf16 through FSDP's policy."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     """Attention kernel passed to transformers."""
+    head: Literal["lm", "value"] = "lm"
+    """``lm``: the causal LM (logits ``[rows, T, vocab]``). ``value``: the same backbone with
+    a scalar head (``[rows, T, 1]``), the critic and reward model."""
     make_if_missing: bool = False
     """Build a tiny random-init model at ``path`` (see ``tiny``) when it does not exist."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
@@ -118,18 +127,46 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+def hf_config(cfg: ModelConfig) -> PretrainedConfig:
+    """The transformers config of ``cfg.path`` with the settings its head needs."""
+    config = AutoConfig.from_pretrained(str(cfg.path))
+    if cfg.head == "value":
+        config.num_labels = 1
+        # GenericForTokenClassification otherwise puts a 0.1 dropout before the head,
+        # which would make values differ between the no-grad pass and the training pass.
+        config.classifier_dropout = 0.0
+    return config
+
+
+def model_class(cfg: ModelConfig) -> type:
+    """The auto class that builds ``cfg.head`` on the backbone."""
+    return AutoModelForTokenClassification if cfg.head == "value" else AutoModelForCausalLM
+
+
 def load_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> PreTrainedModel:
-    """Load the causal LM at ``cfg.path`` (no network)."""
+    """Load the model at ``cfg.path`` with ``cfg.head`` (no network).
+
+    A value model read from a directory without a value head (e.g. the policy's) gets a
+    zero head, so every value starts at 0 and the first updates move only the head.
+    """
     path = Path(cfg.path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"no Hugging Face model at '{path}' (model.path); build one with "
             f"tools/make_tiny_model.py or set model.make_if_missing=true"
         )
-    dtype = getattr(torch, cfg.dtype)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=dtype, attn_implementation=cfg.attn_implementation
+    model, info = model_class(cfg).from_pretrained(
+        str(path),
+        config=hf_config(cfg),
+        dtype=getattr(torch, cfg.dtype),
+        attn_implementation=cfg.attn_implementation,
+        output_loading_info=True,
     )
+    if cfg.head == "value" and "score.weight" in info["missing_keys"]:
+        with torch.no_grad():
+            model.score.weight.zero_()
+            if model.score.bias is not None:
+                model.score.bias.zero_()
     return model.to(device)
 
 

@@ -33,15 +33,22 @@ def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
 
 
 def gae(
-    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    position_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalized advantage estimation over the completion tokens of each row.
+    """Generalized advantage estimation over the completion tokens of each sequence.
 
     Args:
         rewards: ``[rows, T]`` per-token rewards (e.g. the score on the last token, minus
             a KL penalty when it goes in the reward).
         values: ``[rows, T]`` critic values V_t of the state before token t.
         mask: ``[rows, T]``, 1 on completion tokens; the value after the last one is 0.
+        position_ids: ``[rows, T]`` of packed rows, where a sequence starts at each 0;
+            nothing flows back across a start. None: one sequence per row.
 
     Returns:
         ``(advantages, returns)``, both ``[rows, T]``, zero where ``mask`` is 0.
@@ -51,12 +58,25 @@ def gae(
     running = torch.zeros(rows, dtype=rewards.dtype, device=rewards.device)
     next_value = torch.zeros(rows, dtype=rewards.dtype, device=rewards.device)
     for t in reversed(range(length)):
+        if position_ids is not None and t + 1 < length:
+            # Token t ends its sequence: the next one's values and advantages stay there.
+            ends = position_ids[:, t + 1] == 0
+            running = running.masked_fill(ends, 0.0)
+            next_value = next_value.masked_fill(ends, 0.0)
         m = mask[:, t]
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         running = torch.where(m > 0, delta + gamma * lam * running, running)
         advantages[:, t] = running * m
         next_value = torch.where(m > 0, values[:, t], next_value)
     return advantages, (advantages + values) * mask
+
+
+def masked_whiten(
+    x: torch.Tensor, mask: torch.Tensor, mean: float, std: float, eps: float = 1e-8
+) -> torch.Tensor:
+    """``(x − mean) / (std + eps)`` where ``mask`` is 1, else 0; ``[rows, T]``. The moments
+    are the caller's, so they can be those of the global batch over all ranks."""
+    return (x - mean) / (std + eps) * mask
 
 
 def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, cache: int) -> torch.Tensor:

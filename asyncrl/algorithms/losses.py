@@ -138,3 +138,48 @@ def ppo_loss(
                 kl_estimate(logprobs, ref_logprobs, cfg.kl_estimator) * mask
             ).sum()
     return (per_token * mask).sum(), metrics
+
+
+def token_values(head_out: torch.Tensor) -> torch.Tensor:
+    """Critic values aligned like ``token_logprobs``: ``[rows, T, 1]`` → ``[rows, T]``.
+
+    Entry t is V_t, the value of the state before token t, read from the head at t − 1
+    (the position whose logits give token t's logprob); 0 at t = 0. The head's output at
+    the last position (the state after the final token) is not used: that state is
+    terminal for PPO (the reward model reads it instead).
+    """
+    return torch.nn.functional.pad(head_out[:, :-1, 0].float(), (1, 0), value=0.0)
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    loss_mask: torch.Tensor,
+    clip: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped value loss, summed over tokens (the core divides by the token count).
+
+    Every tensor is ``[rows, T]``, aligned with the input ids: ``values`` (current critic,
+    with grad, from ``token_values``), ``old_values`` (the critic when the advantages were
+    computed, no grad), ``returns`` (GAE advantages + old values), ``loss_mask``.
+
+        V_clip = V_old + clip(V − V_old, −ε, ε)
+        loss_sum = Σ mask · ½ · max((V − R)², (V_clip − R)²)
+
+    ``clip <= 0`` turns clipping off (plain ½(V − R)²).
+    """
+    old_values = old_values.detach()
+    unclipped = (values - returns).square()
+    if clip > 0:
+        clipped_values = old_values + (values - old_values).clamp(-clip, clip)
+        per_token = 0.5 * torch.maximum(unclipped, (clipped_values - returns).square())
+    else:
+        per_token = 0.5 * unclipped
+    with torch.no_grad():
+        was_clipped = (per_token > 0.5 * unclipped).float()
+        metrics = {
+            "critic/clip_fraction": (was_clipped * loss_mask).sum(),
+            "critic/value_error": ((values - returns).abs() * loss_mask).sum(),
+        }
+    return (per_token * loss_mask).sum(), metrics

@@ -1,10 +1,12 @@
-"""The trainer core: an FSDP2-sharded causal LM, AdamW, a schedule, and one optimizer step.
+"""The trainer core: an FSDP2-sharded model, AdamW, a schedule, and one optimizer step.
 
-Every stage (SFT, reward model, DPO, RL) drives the same ``TrainerCore``: it hands over
+Every stage (SFT, reward model, DPO, RL) drives a ``TrainerCore``: it hands over
 its rank's micro-batches and a loss function, and the core runs forward/backward with
 gradient accumulation, normalizes by the *global* normalizer (summed over ranks) so the
 update does not depend on packing or rank count, clips, and steps. ``fully_shard`` wraps
-each decoder layer and then the root, on every run including a single rank.
+each decoder layer and then the root, on every run including a single rank. The model
+is the causal LM, or with ``ModelConfig.head="value"`` the same backbone under a scalar
+value head: PPO's critic is a second core on the same ranks.
 """
 
 from __future__ import annotations
@@ -105,7 +107,8 @@ class TrainerCore:
         self.nonfinite_in_a_row = 0
 
     def forward(self, mb: MicroBatch) -> torch.Tensor:
-        """Logits ``[rows, T, V]`` of one micro-batch (packed or padded)."""
+        """Logits ``[rows, T, V]`` of one micro-batch (packed or padded); V = 1 for a
+        value head."""
         out = self.model(
             input_ids=mb.input_ids,
             position_ids=mb.position_ids,
