@@ -1,8 +1,12 @@
 """Held-out evaluation: greedy accuracy of a policy on a task's eval split.
 
-Runs on one process with a plain (unsharded) copy of the weights, so sharded trainer
-ranks never have to step through ``generate`` in lockstep. Uses ``transformers``'
-``generate`` until the embedded engine takes over.
+Runs on one process (trainer rank 0) through an embedded engine of its own (DESIGN §8)
+holding a plain, unsharded copy of the weights, so sharded trainer ranks never step a
+decode loop in lockstep. Each evaluation puts the gathered weights into the engine
+(``EmbeddedEngine.load_weights``: its own staging and flip, waited for), then submits
+every prompt at temperature 0 (greedy) and lets continuous batching run them through
+``batch_size`` slots. Prompts are tokenized as the generators tokenize them (no special
+tokens added). The test pins it to transformers' greedy ``generate``, its former path.
 """
 
 from __future__ import annotations
@@ -11,8 +15,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
+from asyncrl.engine.base import Request, SamplingParams
+from asyncrl.engine.embedded import EmbeddedEngine, EngineConfig
+from asyncrl.models import ModelConfig
 from asyncrl.tasks import Example, Task
 
 
@@ -25,40 +32,59 @@ class EvalConfig:
     max_new_tokens: int = 16
     """Generation budget per completion."""
     batch_size: int = 100
-    """Prompts generated together."""
+    """Prompts decoded together (the evaluation engine's KV-cache slots)."""
 
 
-@torch.no_grad()
+def tokenize_prompts(
+    tokenizer: PreTrainedTokenizerFast, examples: Sequence[Example]
+) -> list[list[int]]:
+    return [tokenizer(ex.prompt, add_special_tokens=False)["input_ids"] for ex in examples]
+
+
+def make_eval_engine(
+    model: ModelConfig, cfg: EvalConfig, longest_prompt: int, device: torch.device
+) -> EmbeddedEngine:
+    """An engine sized for evaluation: ``batch_size`` slots, each as long as the longest
+    prompt plus the generation budget, so no completion is cut short by the cache."""
+    engine_cfg = EngineConfig(max_slots=cfg.batch_size, max_seq_len=longest_prompt + cfg.max_new_tokens,
+                              device="cuda" if device.type == "cuda" else "cpu", dtype=model.dtype)  # fmt: skip
+    return EmbeddedEngine(model.path, engine_cfg)
+
+
+def greedy_completions(
+    engine: EmbeddedEngine, prompts: Sequence[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """Greedy completion token ids of each prompt, without the final EOS."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    for i, prompt in enumerate(prompts):
+        engine.submit(Request(f"eval-{i}", list(prompt), params))
+    tokens: dict[str, list[int]] = {f"eval-{i}": [] for i in range(len(prompts))}
+    pending = set(tokens)
+    while pending:
+        out = engine.step()
+        for t in out.tokens:
+            tokens[t.request_id].append(t.token_id)
+        for f in out.finished:
+            pending.discard(f.request_id)
+            if f.reason == "eos":
+                tokens[f.request_id].pop()
+    return [tokens[f"eval-{i}"] for i in range(len(prompts))]
+
+
 def greedy_accuracy(
-    model: PreTrainedModel,
+    engine: EmbeddedEngine,
     tokenizer: PreTrainedTokenizerFast,
     task: Task,
     examples: Sequence[Example],
     max_new_tokens: int,
-    batch_size: int,
 ) -> dict[str, float]:
-    """Fraction of greedy completions with full marks, mean reward, mean length in tokens."""
-    model.eval()
-    tokenizer.padding_side = "left"
-    scores, lengths = [], []
-    for start in range(0, len(examples), batch_size):
-        chunk = examples[start : start + batch_size]
-        enc = tokenizer([ex.prompt for ex in chunk], return_tensors="pt", padding=True)
-        enc = {k: v.to(model.device) for k, v in enc.items()}
-        out = model.generate(
-            **enc,
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-        new_tokens = out[:, enc["input_ids"].shape[1] :]
-        for ex, row in zip(chunk, new_tokens.tolist()):
-            if tokenizer.eos_token_id in row:
-                row = row[: row.index(tokenizer.eos_token_id)]
-            text = tokenizer.decode(row, skip_special_tokens=True)
-            scores.append(task.score(ex, text))
-            lengths.append(len(row))
+    """Fraction of greedy completions with full marks, mean reward, mean length in tokens,
+    under the weights ``engine`` holds now."""
+    completions = greedy_completions(engine, tokenize_prompts(tokenizer, examples), max_new_tokens)
+    scores = [
+        task.score(ex, tokenizer.decode(ids, skip_special_tokens=True))
+        for ex, ids in zip(examples, completions)
+    ]
     n = max(len(scores), 1)
     # Some verifiers give partial credit to well-formed wrong answers; accuracy counts
     # only full marks, the mean reward keeps the partial credit.
@@ -66,5 +92,5 @@ def greedy_accuracy(
     return {
         "eval/accuracy": correct / n,
         "eval/reward": sum(scores) / n,
-        "eval/completion_tokens": sum(lengths) / n,
+        "eval/completion_tokens": sum(len(c) for c in completions) / n,
     }

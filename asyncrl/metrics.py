@@ -1,5 +1,6 @@
 """Metrics: TensorBoard scalars, the same scalars appended to ``RUN_DIR/metrics.jsonl``,
-``RUN_DIR/summary.json`` at the end, and a progress bar on the terminal.
+``RUN_DIR/summary.json`` at the end (generators also write ``generator_<id>_summary.json``),
+and a progress bar on the terminal. ``tools/run_report.py`` reads them back into figures.
 
 Every process writes its own TensorBoard subdirectory (``tb/<process>``) and tags its
 jsonl lines with the process name, so one run directory holds them all. Metric names are
@@ -8,6 +9,7 @@ namespaced: ``train/loss``, ``eval/accuracy``, ``rollout/tokens_per_s``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -26,6 +28,8 @@ class MetricsConfig:
     """Log scalars every this many steps."""
     progress_bar: bool = True
     """Show a progress bar (on stderr) for long work."""
+    interval_s: float = 5.0
+    """Processes that log on a clock rather than per step (generators) log this often."""
 
 
 class MetricsLogger:
@@ -78,13 +82,14 @@ class MetricsLogger:
             if postfix:
                 self.bar.set_postfix(postfix, refresh=False)
 
-    def write_summary(self, summary: dict[str, Any]) -> None:
+    def write_summary(self, summary: dict[str, Any], name: str = "summary.json") -> None:
+        """``RUN_DIR/name``: the run's summary (the trainer's), or a process's own."""
         if not self.enabled:
             return
         summary = {"wall_time_s": round(time.time() - self.start, 2), **summary}
-        tmp = self.run_dir / "summary.json.tmp"
+        tmp = self.run_dir / f"{name}.tmp"
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        tmp.replace(self.run_dir / "summary.json")
+        tmp.replace(self.run_dir / name)
 
     def close(self) -> None:
         if not self.enabled:
@@ -97,5 +102,9 @@ class MetricsLogger:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """Every record of ``RUN_DIR/metrics.jsonl``; a last line still being written is skipped."""
+    lines = [line for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
+    records = [json.loads(line) for line in lines[:-1]]
+    with contextlib.suppress(json.JSONDecodeError):
+        records += [json.loads(line) for line in lines[-1:]]
+    return records

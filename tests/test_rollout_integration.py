@@ -19,6 +19,7 @@ from asyncrl.buffer.client import BufferClient
 from asyncrl.buffer.core import BufferConfig
 from asyncrl.config import save_json
 from asyncrl.engine.embedded import EngineConfig
+from asyncrl.metrics import MetricsConfig, read_metrics
 from asyncrl.models import ModelConfig, load_model
 from asyncrl.rollout import RolloutConfig, SamplingConfig
 from asyncrl.tasks import TaskConfig
@@ -44,6 +45,7 @@ def test_buffer_generators_and_consumer_survive_a_generator_kill(tmp_path, tiny_
         sampling=SamplingConfig(max_new_tokens=24, temperature=1.0),
         transport=TransportConfig(chunk_tokens=4, chunk_ms=20.0, heartbeat_s=0.2),
         engine=EngineConfig(max_slots=4, max_seq_len=128, threads=1),
+        metrics=MetricsConfig(tensorboard=False, interval_s=0.5),
     )  # fmt: skip
     config_path = tmp_path / "rollout.json"
     save_json(cfg, config_path)
@@ -102,3 +104,8 @@ def test_buffer_generators_and_consumer_survive_a_generator_kill(tmp_path, tiny_
         newest = max(newest, *generated)
     assert newest >= 2, "the generators never flipped to published weights"
     assert sum(counts.get(k, 0) for k in counts if "bad_frames" in k) == 0
+    # The surviving generator logged its figures every interval_s, and a summary at exit.
+    windows = [r for r in read_metrics(tmp_path) if r["process"] == "generator_g0"]
+    assert len(windows) >= 2 and windows[-1]["generator/version"] >= 2
+    summary = json.loads((tmp_path / "generator_g0_summary.json").read_text())
+    assert summary["tokens"] == sum(r["generator/tokens"] for r in windows) > 0

@@ -6,6 +6,10 @@ and flushes each lease's new tokens as a ``Chunk`` every ``chunk_tokens`` tokens
 ``chunk_ms`` milliseconds, whichever comes first. It sends heartbeats with its weights
 version, and a background thread receives weight updates from the trainer's PUB socket
 and hands them to the engine's staged flip, so decoding never waits for a transfer.
+It measures itself (``GeneratorStats``: tokens/s, idle fraction, step times during weight
+updates against steady ones) into ``RUN_DIR/metrics.jsonl`` and TensorBoard as process
+``generator_<id>`` every ``metrics.interval_s``, and into ``generator_<id>_summary.json``
+at exit.
 
     python -m asyncrl.generator.worker --config RUN_DIR/rollout.json --worker-id g0
 """
@@ -23,6 +27,8 @@ import zmq
 from asyncrl.config import load_json
 from asyncrl.engine.base import Engine, Request, SamplingParams
 from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.generator.stats import GeneratorStats
+from asyncrl.metrics import MetricsLogger
 from asyncrl.rollout import RolloutConfig
 from asyncrl.transport import make_socket, read_endpoints
 from asyncrl.wire import (
@@ -68,25 +74,33 @@ class GeneratorWorker:
         self.asked = False  # a LeaseRequest is out and unanswered
         self.stop_event = threading.Event()
         self.tokens_sent = 0
+        self.stats = GeneratorStats()
+        self.metrics = MetricsLogger(cfg.run_dir, f"generator_{worker_id}", cfg.metrics)
         self._weights = threading.Thread(target=self._receive_weights, name="weights", daemon=True)
         self._weights.start()
 
     def run(self) -> None:
-        last_beat = 0.0
+        last_beat, last_log, turn_start = 0.0, time.time(), time.perf_counter()
         try:
             while not self.stop_event.is_set():
-                now = time.time()
                 self._ask_for_leases()
                 self._take_leases(block_ms=0 if self._busy() else 50)
-                if self._busy():
-                    self._record(self.engine.step(), time.time())
-                self._flush(time.time(), force=False)
+                stepped = self._busy()
+                if stepped:
+                    self._step()
+                now = time.time()
+                self._flush(now, force=False)
+                turn_start = self._end_turn(turn_start, stepped)
                 if now - last_beat >= self.cfg.transport.heartbeat_s:
                     self._heartbeat()
                     last_beat = now
+                if now - last_log >= self.cfg.metrics.interval_s:
+                    self._log_window()
+                    last_log = now
         finally:
             self.stop_event.set()
             self._weights.join(timeout=5)
+            self._close_metrics()
             self.ctx.destroy(linger=0)
 
     def stop(self) -> None:
@@ -122,6 +136,41 @@ class GeneratorWorker:
                                     stop_token_ids=list(s.stop_token_ids))  # fmt: skip
             self.engine.submit(Request(lease.lease_id, lease.prompt_ids + lease.prefix_ids, params))
             self.pending[lease.lease_id] = _Pending(lease, last_flush=now)
+
+    # ---- decoding ------------------------------------------------------------------
+    def _step(self) -> None:
+        before = int(self.engine.stats()["engine/version"])
+        updating = self.stats.updating(before)
+        start = time.perf_counter()
+        out = self.engine.step()
+        seconds = time.perf_counter() - start
+        # The step overlapped an update if one was on its way in when it began or when it
+        # ended (frames decoded meanwhile), or if it flipped new weights in itself.
+        during_update = updating or out.version != before or self.stats.updating(out.version)
+        self.stats.on_step(seconds, len(out.tokens), during_update)
+        self._record(out, time.time())
+
+    # ---- metrics -------------------------------------------------------------------
+    def _end_turn(self, turn_start: float, stepped: bool) -> float:
+        """Account one loop turn (idle unless it stepped) and any weights staged or
+        flipped during it; returns the next turn's start."""
+        stats = self.engine.stats()
+        staged = int(stats.get("engine/staged_version", -1))  # engines without staging: -1
+        self.stats.observe_weights(int(stats["engine/version"]), staged)
+        turn_end = time.perf_counter()
+        self.stats.on_loop(turn_end - turn_start, stepped)
+        return turn_end
+
+    def _log_window(self) -> None:
+        version = int(self.engine.stats()["engine/version"])
+        self.metrics.log(version, self.stats.window(version))
+
+    def _close_metrics(self) -> None:
+        self._log_window()
+        summary = self.stats.summary(int(self.engine.stats()["engine/version"]))
+        self.metrics.write_summary({"worker_id": self.worker_id, **summary},
+                                   name=f"generator_{self.worker_id}_summary.json")  # fmt: skip
+        self.metrics.close()
 
     # ---- chunks --------------------------------------------------------------------
     def _record(self, out, now: float) -> None:
@@ -173,14 +222,22 @@ class GeneratorWorker:
             if not sub.poll(200):
                 continue
             frames = sub.recv_multipart(copy=False)
+            arrived = self.stats.weights_arriving()
             announce = decoder.try_decode(frames[0].buffer, "weights socket")
             if announce is None:
+                self.stats.weights_dropped()
+                continue
+            if announce.version <= int(self.engine.stats()["engine/version"]):
+                self.stats.weights_dropped()  # a republish for a late joiner; we have it
                 continue
             try:
                 tensors = decode_tensors(announce, [f.buffer for f in frames[1:]])
                 self.engine.stage_weights(tensors, announce.version)
             except Exception as e:  # a bad update is counted and dropped, never fatal
                 decoder.count("frames", str(e))
+                self.stats.weights_dropped()
+                continue
+            self.stats.weights_offered(announce.version, arrived)
         sub.close(linger=0)
 
 

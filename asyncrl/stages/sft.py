@@ -16,9 +16,14 @@ from pathlib import Path
 from typing import ClassVar
 
 from asyncrl.algorithms.losses import sft_loss
-from asyncrl.evaluation import EvalConfig, greedy_accuracy
+from asyncrl.evaluation import (
+    EvalConfig,
+    greedy_accuracy,
+    make_eval_engine,
+    tokenize_prompts,
+)
 from asyncrl.metrics import MetricsConfig, MetricsLogger
-from asyncrl.models import ModelConfig, build_tiny_model, load_model, load_tokenizer
+from asyncrl.models import ModelConfig, build_tiny_model, load_tokenizer
 from asyncrl.stages.common import ProcessSpec, out_of_time, stage_main, trainer_ranks
 from asyncrl.tasks import Example, Task, TaskConfig, build_task, stream_index
 from asyncrl.trainer.checkpoint import (
@@ -122,28 +127,25 @@ def ensure_model(cfg: SFTExperiment, task: Task, info: DistInfo) -> None:
 
 
 class Evaluator:
-    """Greedy held-out accuracy on rank 0, on a plain copy of the gathered weights."""
+    """Greedy held-out accuracy on rank 0: the gathered weights go into an embedded engine
+    of its own (two plain copies of the weights on rank 0's device, beside the shard)."""
 
     def __init__(self, cfg: SFTExperiment, task: Task, info: DistInfo) -> None:
         self.cfg, self.task, self.info = cfg, task, info
-        self.model = load_model(cfg.model, info.device) if info.is_main else None
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.examples = list(task.examples("eval"))[: cfg.eval.num_examples]
+        self.engine = None
+        if info.is_main and self.examples:
+            longest = max(len(p) for p in tokenize_prompts(self.tokenizer, self.examples))
+            self.engine = make_eval_engine(cfg.model, cfg.eval, longest, info.device)
 
     def __call__(self, core: TrainerCore) -> dict[str, float]:
         full = core.full_state_dict()  # a collective: every rank joins
         result: dict[str, float] = {}
-        if self.info.is_main:
-            self.model.load_state_dict(full)
-            ev = self.cfg.eval
-            result = greedy_accuracy(
-                self.model,
-                self.tokenizer,
-                self.task,
-                self.examples,
-                ev.max_new_tokens,
-                ev.batch_size,
-            )
+        if self.engine is not None:
+            self.engine.load_weights(full, core.step)
+            result = greedy_accuracy(self.engine, self.tokenizer, self.task, self.examples,
+                                     self.cfg.eval.max_new_tokens)  # fmt: skip
         barrier()
         return result
 
