@@ -192,6 +192,16 @@ class RolloutBuffer:
     def set_version(self, version: int) -> None:
         self.version = max(self.version, version)
 
+    def start_at(self, version: int) -> None:
+        """Start this fresh buffer at ``version`` as if the batches of the earlier steps had
+        been issued and consumed (the prompt stream goes on after them), so the gate does
+        not admit them again: for the colocated placement resuming from a trainer
+        checkpoint, which keeps no buffer state of its own."""
+        if self.groups or self.prompts_counted:
+            raise RuntimeError("start_at needs a buffer that has issued nothing yet")
+        self.version = version
+        self.prompts_counted = self.prompt_position = version * self.cfg.prompts_per_batch
+
     def batch_for(self, step: int, rank: int, world_size: int) -> list[Sample] | None:
         """This rank's share of the step's batch, or None while it is not complete yet."""
         if step not in self.batches:

@@ -59,6 +59,7 @@ class Scoring:
 
     def __init__(self, cfg: RolloutConfig) -> None:
         self.pool = RewardPool(cfg.task, cfg.reward)
+        self.split = cfg.task.rl_split
         self.tokenizer = load_tokenizer(cfg.model.path)
 
     def text(self, completion: list[int]) -> str:
@@ -68,10 +69,30 @@ class Scoring:
 
     def pump(self, buffer: RolloutBuffer) -> None:
         for key, prompt_id, completion in buffer.unscored:
-            self.pool.submit(key, "train", prompt_id, self.text(completion))
+            self.pool.submit(key, self.split, prompt_id, self.text(completion))
         buffer.unscored.clear()
         for key, reward in self.pool.poll():
             buffer.on_reward(key, reward)
+
+
+def buffer_counters(buffer: RolloutBuffer, scoring: Scoring | None) -> dict[str, float]:
+    """The state machine's counters and gauges as ``buffer/*`` metrics (the buffer process
+    logs them; so does the colocated placement, which drives the same state machine)."""
+    out = {f"buffer/{k}": float(v) for k, v in buffer.counts.items()}
+    out["buffer/in_flight_samples"] = float(buffer.in_flight())
+    out["buffer/in_flight_tokens"] = float(buffer.in_flight_tokens())
+    out.update({f"buffer/staleness_{k}": float(v) for k, v in sorted(buffer.staleness.items())})
+    out["buffer/ready_groups"] = float(len(buffer.ready))
+    out["buffer/version"] = float(buffer.version)
+    out["buffer/newest_consumed_version"] = float(buffer.newest_consumed_version)
+    if buffer.worker_versions:
+        out["buffer/generator_version_max"] = float(max(buffer.worker_versions.values()))
+        out["buffer/generator_version_min"] = float(min(buffer.worker_versions.values()))
+    scored = buffer.counts["samples_scored"]
+    out["buffer/reward_mean"] = buffer.reward_sum / scored if scored else 0.0
+    if scoring is not None:
+        out.update({f"buffer/reward_{k}": float(v) for k, v in scoring.pool.counters().items()})
+    return out
 
 
 class BufferServer:
@@ -209,25 +230,8 @@ class BufferServer:
 
     # ---- metrics -------------------------------------------------------------------
     def counters(self) -> dict[str, float]:
-        out = {f"buffer/{k}": float(v) for k, v in self.buffer.counts.items()}
+        out = buffer_counters(self.buffer, self.scoring)
         out.update({f"buffer/bad_frames_{k}": float(v) for k, v in self.decoder.errors.items()})
-        out["buffer/in_flight_samples"] = float(self.buffer.in_flight())
-        out["buffer/in_flight_tokens"] = float(self.buffer.in_flight_tokens())
-        out.update(
-            {f"buffer/staleness_{k}": float(v) for k, v in sorted(self.buffer.staleness.items())}
-        )
-        out["buffer/ready_groups"] = float(len(self.buffer.ready))
-        out["buffer/version"] = float(self.buffer.version)
-        out["buffer/newest_consumed_version"] = float(self.buffer.newest_consumed_version)
-        if self.buffer.worker_versions:
-            out["buffer/generator_version_max"] = float(max(self.buffer.worker_versions.values()))
-            out["buffer/generator_version_min"] = float(min(self.buffer.worker_versions.values()))
-        scored = self.buffer.counts["samples_scored"]
-        out["buffer/reward_mean"] = self.buffer.reward_sum / scored if scored else 0.0
-        if self.scoring is not None:
-            out.update(
-                {f"buffer/reward_{k}": float(v) for k, v in self.scoring.pool.counters().items()}
-            )
         return out
 
     def _log_metrics(self) -> None:

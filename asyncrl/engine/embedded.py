@@ -155,6 +155,22 @@ class EmbeddedEngine:
             self._incoming = (state_dict, version)  # a newer offer replaces an unstarted one
             self._cond.notify_all()
 
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """``stage_weights`` then flip now, waiting for the staging thread: for a caller that
+        is not decoding meanwhile (the colocated placement), so its next step already
+        generates with ``version``. Takes ownership of the tensors, like ``stage_weights``."""
+        self.stage_weights(state_dict, version)
+        while True:
+            with self._cond:
+                # An older staged version may come first; flipping it frees the idle copy.
+                self._cond.wait_for(lambda: self._closed or self._ready is not None)
+                if self._closed:
+                    raise RuntimeError("the engine was closed while loading weights")
+                done = self._ready == version and self._incoming is None
+            self._maybe_flip()
+            if done:
+                return
+
     def step(self) -> StepOutput:
         start = time.perf_counter()
         self._maybe_flip()
@@ -191,6 +207,9 @@ class EmbeddedEngine:
             "engine/waiting": len(self.waiting),
             "engine/free_slots": self.free_slots,
             "engine/version": self.version,
+            # Weights staged and waiting for the next step's flip (-1: none), so callers can
+            # time staging and know when an offered version will be used.
+            "engine/staged_version": -1 if self._ready is None else self._ready,
             "engine/steps": c.steps,
             "engine/tokens": c.tokens,
             "engine/prefill_tokens": c.prefill_tokens,
@@ -291,6 +310,7 @@ class EmbeddedEngine:
                 torch.cuda.synchronize(self.device)
             with self._cond:
                 self._ready = version
+                self._cond.notify_all()  # load_weights may be waiting for it
 
     def _maybe_flip(self) -> None:
         if self._ready is None:

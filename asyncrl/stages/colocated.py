@@ -1,0 +1,237 @@
+"""The colocated placement: one process alternates generation and training on all its
+cores, the synchronous hybrid-engine baseline (veRL style) that the asynchronous
+placement is compared against.
+
+``ColocatedRollout`` stands in, inside the trainer process, for both the buffer process
+(it answers ``request_batch`` / ``announce_version`` like ``BufferClient``) and the
+generators (it takes the published weights like ``WeightPublisher``), so the RL step in
+``asyncrl.stages.rl`` runs unchanged. It owns an ``EmbeddedEngine`` and the buffer's own
+state machine (``RolloutBuffer``) with the buffer's ``Scoring``: leases, groups, dynamic
+sampling, staleness accounting and rewards are the same code as in the async placement;
+only the sockets and the processes are gone. ``request_batch`` decodes until the step's
+batch is complete; while the trainer trains, nothing decodes; ``publish`` then flips the
+new weights into the engine before the next rollout, so every token is on-policy
+(staleness 0, ``max_staleness`` is 0 here by construction).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from asyncrl.buffer.core import RolloutBuffer
+from asyncrl.buffer.server import Scoring, buffer_counters
+from asyncrl.engine.base import Request, SamplingParams, StepOutput
+from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.metrics import MetricsLogger
+from asyncrl.rollout import TaskPrompts
+from asyncrl.stages.common import threads_for
+from asyncrl.tasks import build_task
+from asyncrl.trainer.dist import DistInfo
+from asyncrl.wire import Batch, Chunk, Lease
+
+if TYPE_CHECKING:
+    from asyncrl.stages.rl import RLExperiment
+
+WORKER_ID = "colocated"
+"""The engine's name in the buffer's lease bookkeeping."""
+
+
+def colocated_threads(cfg: RLExperiment) -> int:
+    """Threads of the colocated process: the cores the async placement spreads over its
+    trainer ranks and generators, so both placements are compared on the same cores (at
+    most the machine's). ``num_generators=0`` leaves the trainer's own threads: on a
+    shared or busy machine, more intra-op threads than free cores slow a small model's
+    kernels down several times over (measured: 2 threads on 2 busy cores, ~10x)."""
+    cores = os.cpu_count() or 1
+    trainer = threads_for(cfg.trainer.threads_per_rank, cfg.trainer.num_ranks)
+    generators = (cfg.engine.threads or cores) * cfg.num_generators
+    return max(1, min(cores, trainer * cfg.trainer.num_ranks + generators))
+
+
+@dataclass
+class _Pending:
+    """Tokens of one lease generated so far; they go to the buffer as one chunk at the end
+    (nobody reads a trajectory while it grows here, so streaming would buy nothing)."""
+
+    lease: Lease
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Timing:
+    """Wall time of the two phases, per step and over the run."""
+
+    generate_s: float = 0.0
+    train_s: float = 0.0
+    load_weights_s: float = 0.0
+    tokens: int = 0
+
+    def add(self, other: _Timing) -> None:
+        self.generate_s += other.generate_s
+        self.train_s += other.train_s
+        self.load_weights_s += other.load_weights_s
+        self.tokens += other.tokens
+
+    def scalars(self) -> dict[str, float]:
+        busy = self.generate_s + self.train_s + self.load_weights_s
+        return {
+            "colocated/generate_s": self.generate_s,
+            "colocated/train_s": self.train_s,
+            "colocated/load_weights_s": self.load_weights_s,
+            "colocated/generate_fraction": self.generate_s / busy if busy > 0 else 0.0,
+            "colocated/generated_tokens": float(self.tokens),
+            "colocated/tokens_per_s": self.tokens / self.generate_s if self.generate_s else 0.0,
+        }
+
+
+class ColocatedRollout:
+    """``BufferClient`` and ``WeightPublisher`` in one object, with no process behind it:
+    ``request_batch``, ``announce_version``, ``publish``, ``close``."""
+
+    def __init__(self, cfg: RLExperiment, info: DistInfo) -> None:
+        if info.world_size != 1:
+            raise ValueError("the colocated placement runs a single trainer rank")
+        self.run_id, self.run_dir, self.rank = cfg.run_id, Path(cfg.run_dir), info.rank
+        rollout = cfg.rollout()
+        # Both phases share the process's threads; the engine must not pin its own count.
+        torch.set_num_threads(colocated_threads(cfg))
+        engine_cfg = replace(cfg.engine, threads=0, device=info.device.type)
+        self.engine = EmbeddedEngine(cfg.model.path, engine_cfg)
+        prompts = TaskPrompts(build_task(cfg.task), cfg.model.path, cfg.seed)
+        self.scoring = Scoring(rollout)
+        self.buffer = RolloutBuffer(rollout.buffer, cfg.run_id, prompts, None, cfg.sampling.spec())
+        self.pending: dict[str, _Pending] = {}
+        self.metrics = MetricsLogger(
+            cfg.run_dir, WORKER_ID, replace(cfg.metrics, progress_bar=False)
+        )
+        self.step_timing, self.total = _Timing(), _Timing()
+        self.served_at: float | None = None  # when the last batch went to the trainer
+        self.closed = False
+
+    # ---- BufferClient's side ---------------------------------------------------------
+    def request_batch(
+        self,
+        step: int,
+        world_size: int,
+        timeout_s: float = 600.0,
+        on_wait: Callable[[], None] | None = None,
+        wait_tick_s: float = 10.0,
+    ) -> Batch:
+        """Generate until this step's batch is complete and return this rank's share.
+
+        ``on_wait`` is accepted for ``BufferClient``'s signature and never called: the only
+        engine is this one, which always has the newest weights, so there is nothing to
+        republish while waiting."""
+        start = time.perf_counter()
+        tokens_before = self.engine.counters.tokens
+        while (samples := self.buffer.batch_for(step, self.rank, world_size)) is None:
+            leased = self._lease()
+            busy = self._busy()
+            if busy:
+                self._record(self.engine.step())
+            self.scoring.pump(self.buffer)
+            if not busy and not leased:
+                if not self.scoring.pool.pending():
+                    raise RuntimeError(
+                        f"nothing to generate and no batch for step {step}: the buffer is at "
+                        f"version {self.buffer.version} (was version {step} announced?)"
+                    )
+                time.sleep(0.001)  # rewards are being scored in worker processes
+            if time.perf_counter() - start > timeout_s:
+                raise TimeoutError(f"no batch for step {step} after {timeout_s:.0f} s")
+        self.served_at = time.perf_counter()
+        self.step_timing.generate_s += self.served_at - start
+        self.step_timing.tokens += self.engine.counters.tokens - tokens_before
+        return Batch(run_id=self.run_id, step=step, rank=self.rank, samples=samples)
+
+    def announce_version(self, version: int) -> None:
+        if version > 0 and self.buffer.prompt_position == 0:
+            # Resumed from a checkpoint: go on as if the earlier steps had been served.
+            self.buffer.start_at(version)
+        self.buffer.set_version(version)
+
+    # ---- WeightPublisher's side ------------------------------------------------------
+    def publish(self, version: int, state: dict[str, torch.Tensor]) -> float:
+        """Flip the engine to ``version`` now (it is idle while the trainer trains); the
+        engine adopts the tensors of ``state``. Returns the seconds it took."""
+        start = time.perf_counter()
+        if self.served_at is not None:  # the trainer's share of this step
+            self.step_timing.train_s += start - self.served_at
+            self.served_at = None
+        self.engine.load_weights(state, version)
+        took = time.perf_counter() - start
+        self.step_timing.load_weights_s += took
+        if self.step_timing.generate_s:  # not the load of a resumed checkpoint
+            self.metrics.log(
+                version,
+                {**self.step_timing.scalars(), **buffer_counters(self.buffer, self.scoring)},
+            )
+            self.total.add(self.step_timing)
+        self.step_timing = _Timing()
+        return took
+
+    def close(self) -> None:
+        """Write the run's totals and the buffer counters; called by both of the RL loop's
+        roles, so the second call does nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        counters = buffer_counters(self.buffer, self.scoring)
+        (self.run_dir / "buffer_counters.json").write_text(
+            json.dumps(counters, indent=2, sort_keys=True)
+        )
+        summary = {k.removeprefix("colocated/"): v for k, v in self.total.scalars().items()}
+        (self.run_dir / "colocated_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        self.metrics.close()
+        self.scoring.pool.close()
+        self.engine.close()
+
+    # ---- the engine ------------------------------------------------------------------
+    def _busy(self) -> bool:
+        return bool(self.engine.running or self.engine.waiting)
+
+    def _lease(self) -> int:
+        """Fill the engine's free slots with leases; how many it took."""
+        free = self.engine.free_slots - len(self.engine.waiting)
+        leases = self.buffer.lease(WORKER_ID, free, time.time()) if free > 0 else []
+        for lease in leases:
+            s = lease.sampling
+            # A lease carries a prefix only when re-issued, which never happens in one
+            # process (nothing expires it); handled anyway, as a generator does.
+            params = SamplingParams(max_new_tokens=max(1, s.max_new_tokens - len(lease.prefix_ids)),
+                                    temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
+                                    stop_token_ids=list(s.stop_token_ids))  # fmt: skip
+            try:
+                self.engine.submit(
+                    Request(lease.lease_id, lease.prompt_ids + lease.prefix_ids, params)
+                )
+            except ValueError:  # a prompt the engine cannot run fails its group, as in the buffer
+                self._finish(_Pending(lease), "error")
+                continue
+            self.pending[lease.lease_id] = _Pending(lease)
+        return len(leases)
+
+    def _record(self, out: StepOutput) -> None:
+        for t in out.tokens:
+            p = self.pending[t.request_id]
+            p.token_ids.append(t.token_id)
+            p.logprobs.append(t.logprob)
+            p.versions.append(t.version)
+        for f in out.finished:
+            self._finish(self.pending.pop(f.request_id), f.reason)
+
+    def _finish(self, p: _Pending, reason: str) -> None:
+        chunk = Chunk(run_id=self.run_id, worker_id=WORKER_ID, lease_id=p.lease.lease_id, seq=0,
+                      token_ids=p.token_ids, logprobs=p.logprobs, versions=p.versions, finished=True,
+                      finish_reason=reason)  # fmt: skip
+        self.buffer.on_chunk(chunk, time.time())  # scores inline, or queues for the pool
