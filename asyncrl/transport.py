@@ -6,12 +6,15 @@ buffer (ROUTER) for batches and announce versions; the trainer PUBlishes weights
 generators SUBscribe to. Endpoints default to ``ipc://`` sockets inside the run directory
 (or loopback TCP on ports the OS picks); whoever binds writes its endpoints into
 ``RUN_DIR/endpoints/ROLE.json`` and the others read them there, so no port is hard-coded.
+Across nodes (``launch/slurm.py``) the run directory is on a shared filesystem and
+``host="*"`` binds every interface and advertises this node's name.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +28,9 @@ class TransportConfig:
     scheme: Literal["ipc", "tcp"] = "ipc"
     """``ipc``: Unix sockets in the run directory; ``tcp``: ``host`` on ports the OS picks."""
     host: str = "127.0.0.1"
-    """Interface the buffer and trainer bind to with ``tcp`` (loopback unless told otherwise)."""
+    """Interface the buffer and trainer bind to with ``tcp`` (loopback unless told otherwise);
+    ``*`` binds every interface and advertises this node's hostname (``ASYNCRL_HOST``
+    overrides the name), for processes spread over several nodes."""
     high_water_mark: int = 10_000
     """Messages queued per socket before senders block (bounded memory)."""
     max_message_bytes: int = 1 << 30
@@ -49,7 +54,16 @@ def bind(sock: zmq.Socket, cfg: TransportConfig, run_dir: str | Path, name: str)
         sock.bind(endpoint)
         return endpoint
     port = sock.bind_to_random_port(f"tcp://{cfg.host}")
-    return f"tcp://{cfg.host}:{port}"
+    return f"tcp://{advertised_host(cfg.host)}:{port}"
+
+
+def advertised_host(host: str) -> str:
+    """The address peers connect to for a socket bound on ``host``. A wildcard bind is
+    reached by this node's name, which cluster nodes resolve to a routable address (the
+    bound address 0.0.0.0 means nothing to a peer)."""
+    if host not in ("*", "0.0.0.0"):
+        return host
+    return os.environ.get("ASYNCRL_HOST") or socket.gethostname()
 
 
 def make_socket(

@@ -1,0 +1,112 @@
+"""The body of an asyncrl Slurm job: starts the ``srun`` steps and supervises them.
+
+    python -m asyncrl.launcher.slurm_job RUN_DIR < STEPS
+
+The batch script that ``launch/slurm.py`` writes resolves the allocation's node names and
+pipes in one step a line, ``NAME POLICY srun ...`` (POLICY: ``once``, ``restart`` for a
+generator, ``final`` for the trainer). Each step runs as a child ``srun`` with its log in
+``RUN_DIR/logs/NAME.log`` (the trainer's is echoed to the job's output) and is supervised
+like a local process (``asyncrl.launcher.supervise``): a dead generator step is started
+again, any other death ends the job with the tail of its log, and the job ends once the
+trainer step exits 0.
+
+Stopping a step: a SIGTERM to ``srun`` makes it kill its tasks outright, so the tasks get
+their SIGTERM from ``scancel --signal=TERM JOB.STEP`` instead and write their final state
+(the buffer its counters); whatever still runs after the grace period is cancelled. On
+``scancel`` of the job Slurm sends SIGTERM to this process and to every step's tasks; the
+handler stops the steps the same way and waits for them.
+
+``ASYNCRL_PRINT_STEPS=1`` prints the steps, as the script resolved them, as JSON and
+exits: ``SLURM_JOB_NODELIST='n[1-4]' SLURM_JOB_ID=1 ASYNCRL_PRINT_STEPS=1 bash JOB.sbatch``
+shows a script's placement without a cluster job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from asyncrl.launcher.prepare import clear_rendezvous
+from asyncrl.launcher.supervise import Supervised, say, supervise
+
+POLICIES = ("once", "restart", "final")
+
+
+class SlurmStep(Supervised):
+    """A child ``srun``; stopped through ``scancel`` on its step id."""
+
+    def step_id(self) -> str | None:
+        """This step's newest id in the job (None before Slurm has created it). The name
+        column is widened: squeue cuts it to 8 characters by default."""
+        job = os.environ["SLURM_JOB_ID"]
+        out = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i %200j"],
+                             capture_output=True, text=True, timeout=30).stdout  # fmt: skip
+        ids = [line.split()[0] for line in out.splitlines() if line.split()[1:] == [self.name]]
+        ids = [i for i in ids if i.split(".")[-1].isdigit()]
+        return max(ids, key=lambda i: int(i.split(".")[-1]), default=None)
+
+    def _scancel(self, *flags: str) -> bool:
+        step = self.step_id()
+        if step is not None:
+            subprocess.run(["scancel", *flags, step], capture_output=True, timeout=30)
+        return step is not None
+
+    def terminate(self) -> None:
+        if not self._scancel("--signal=TERM"):
+            self.proc.kill()  # no step yet: srun is still waiting for resources, nothing ran
+
+    def kill(self) -> None:
+        self._scancel()
+        self.proc.kill()
+
+
+def parse_steps(text: str) -> list[tuple[str, str, list[str]]]:
+    steps = []
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        name, policy, *argv = shlex.split(line)
+        if policy not in POLICIES or not argv:
+            raise ValueError(f"bad step line (want NAME {'|'.join(POLICIES)} COMMAND...): {line}")
+        steps.append((name, policy, argv))
+    return steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Supervise an asyncrl job's srun steps (read from stdin)."
+    )
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--grace-s", type=float, default=20.0, help="SIGTERM to SIGKILL, per stop")
+    args = parser.parse_args(argv)
+    steps = parse_steps(sys.stdin.read())
+    if os.environ.get("ASYNCRL_PRINT_STEPS"):
+        print(json.dumps([{"name": n, "policy": p, "argv": a} for n, p, a in steps], indent=2))
+        return 0
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    clear_rendezvous(args.run_dir)  # what an earlier job on this run directory left
+    procs = [SlurmStep(name, argv, args.run_dir / "logs" / f"{name}.log", restartable=policy == "restart",
+                       final=policy == "final", echo=policy == "final")
+             for name, policy, argv in steps]  # fmt: skip
+    for p in procs:
+        say(f"step {p.name}: {shlex.join(p.argv)}")
+    code = supervise(procs, grace_s=args.grace_s, stop=stop)
+    summary = args.run_dir / "summary.json"
+    if code == 0:
+        say(f"done: {summary.read_text().strip() if summary.exists() else 'no summary.json'}")
+    elif code == 143:
+        say("stopped: every step has ended")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
