@@ -2,6 +2,10 @@
 launcher runs experiments/tiny_sft.py first when it is missing), on the same held-out
 addition task, with greedy held-out evaluation every 10 steps.
 
+RL prompts are the task's "unseen" split: problems in neither SFT's train split nor the
+held-out eval. The tiny SFT model partly memorized its train problems (greedy 73.5% on
+them against 40.5% held out), and RL on those transferred less to held-out problems.
+
 DAPO as configuration: clip-higher (ε_high 0.28), dynamic sampling (groups whose
 samples all got the same reward are dropped and more prompts leased), token-level loss
 (the trainer core's global token mean), no overlong shaping (answers are short).
@@ -29,15 +33,17 @@ config = RLExperiment(
     name="tiny_grpo",
     init_from_experiment=str(SFT_FILE),
     model=ModelConfig(path=sft.sft.export_dir),
-    task=replace(sft.task, full_marks_only=True),
+    task=replace(sft.task, full_marks_only=True, rl_split="unseen"),
     num_generators=1,
     trainer=TrainerConfig(num_ranks=1, threads_per_rank=1, micro_batch_tokens=4096),
-    # Measured: a fresh AdamW above ~5e-5 knocks this tiny SFT model out of its basin (even on
-    # ground-truth data); 3e-5 with warmup is stable. RL does not yet gain accuracy here.
-    optim=OptimConfig(lr=3e-5, warmup_steps=20, schedule="constant"),
-    rl=RLConfig(algorithm="grpo", max_steps=300, loss=PPOLossConfig(clip_low=0.2, clip_high=0.28)),
+    # Measured on this SFT model: the update noise of a batch decides the usable rate. With
+    # 8 prompts a step, 1e-4 and above fell to 17-30% held-out within 150 steps (so did SFT
+    # on ground truth at 8 examples a step and 3e-4); 64 prompts of 4 samples took 1e-4
+    # (40.5% -> 45% in 120 steps), while 3e-4 still fell to 25%.
+    optim=OptimConfig(lr=1e-4, warmup_steps=20, schedule="constant"),
+    rl=RLConfig(algorithm="grpo", max_steps=2000, loss=PPOLossConfig(clip_low=0.2, clip_high=0.28)),
     buffer=BufferConfig(
-        prompts_per_batch=8, samples_per_prompt=8, max_staleness=2, dynamic_sampling=True
+        prompts_per_batch=64, samples_per_prompt=4, max_staleness=2, dynamic_sampling=True
     ),
     sampling=SamplingConfig(max_new_tokens=8, temperature=1.0),
     reward=RewardConfig(workers=0),

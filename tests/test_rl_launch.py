@@ -1,13 +1,18 @@
 """The asynchronous loop end to end through the real launcher: buffer, generator and
 trainer processes for a few steps. Versions advance at the trainer, at the generators
-and on the consumed tokens, and the loss is finite."""
+and on the consumed tokens, and the loss is finite. The generator logs its own figures
+(tokens/s, idle fraction, step times during weight updates and steady) and
+``tools/run_report.py`` turns the run directory into one line of sensible figures."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,3 +60,85 @@ def test_launcher_runs_tiny_grpo(tmp_path, tiny_model_dir, max_staleness):
         "generator_0.log",
         "trainer_0.log",
     ]
+    check_generator_metrics(run_dir)
+    check_run_report(run_dir, consumed=4 * 2 * 4)
+
+
+GENERATOR_KEYS = {f"generator/{k}" for k in (
+    "window_s", "tokens", "tokens_per_s", "idle_s", "idle_fraction", "steps", "update_steps",
+    "weights_received", "version")}  # fmt: skip
+
+
+def check_generator_metrics(run_dir: Path) -> None:
+    lines = [r for r in read_metrics(run_dir) if r["process"] == "generator_g0"]
+    assert lines and all(r.keys() >= GENERATOR_KEYS for r in lines), lines
+    assert all(0.0 <= r["generator/idle_fraction"] <= 1.0 for r in lines)
+    assert sum(r["generator/tokens"] for r in lines) > 0
+    assert any("generator/update_step_ms_p99" in r for r in lines)  # flips happened mid-decode
+    assert (run_dir / "tb" / "generator_g0").is_dir()
+    summary = json.loads((run_dir / "generator_g0_summary.json").read_text())
+    assert summary["weights_received"] >= 2 and summary["version"] >= 2
+    # Every flip happens inside an engine step, so at least one step per flipped version.
+    assert summary["update_steps"] >= 2 and summary["steps"] > summary["update_steps"]
+    assert 0 < summary["steady_step_ms_p50"] <= summary["steady_step_ms_p99"]
+    assert 0 < summary["update_step_ms_p50"] <= summary["update_step_ms_p99"]
+    assert 0 <= summary["weight_stage_s"] <= summary["weight_flip_s"]
+
+
+def check_run_report(run_dir: Path, consumed: int) -> None:
+    proc = subprocess.run([sys.executable, "tools/run_report.py", str(run_dir)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (line,) = proc.stdout.splitlines()
+    report = json.loads(line)
+    assert report["steps"] == 4 and report["wall_time_s"] >= report["train_time_s"] > 0
+    assert report["generated_tokens_per_s"] > 0 and report["train_step_tokens_per_s"] > 0
+    assert 0.0 <= report["generator_idle_fraction"] <= 1.0
+    assert 0.0 <= report["trainer_idle_fraction"] <= 1.0
+    assert report["step_ms_p99_update"] > 0 and report["step_ms_p99_steady"] > 0
+    assert sum(report["staleness_histogram"].values()) == consumed
+    assert report["accuracy_at_min"]["0"] is not None  # the initial evaluation
+
+
+def test_a_killed_generator_is_restarted_and_catches_up(tmp_path, tiny_model_dir):
+    """SIGKILL the only generator mid-run: the launcher restarts it from ``model.path``
+    (version 0), the trainer republishes its newest weights while it waits for a batch,
+    and the run finishes every step (without the republish it would wait forever)."""
+    run_dir = tmp_path / "run"
+    steps = 10
+    cmd = [
+        sys.executable, "launch/local.py", "experiments/tiny_grpo.py", f"run_dir={run_dir}",
+        f"model.path={tiny_model_dir}", f"rl.max_steps={steps}", "eval.every_steps=0",
+        "task.train_size=200", "task.rl_split=train", "buffer.prompts_per_batch=2",
+        "buffer.samples_per_prompt=4", "buffer.dynamic_sampling=false", "buffer.max_staleness=1",
+        "engine.max_slots=8", "transport.heartbeat_s=0.2",
+    ]  # fmt: skip
+    launcher = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            trained = (
+                [r["step"] for r in read_metrics(run_dir) if "train/loss" in r]
+                if (run_dir / "metrics.jsonl").exists()
+                else []
+            )
+            if trained and max(trained) >= 3:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the trainer never reached step 3")
+        pids = subprocess.run(["pgrep", "-f", f"asyncrl.generator.worker --config {run_dir}/"],
+                              capture_output=True, text=True).stdout.split()  # fmt: skip
+        assert len(pids) == 1, pids
+        os.kill(int(pids[0]), signal.SIGKILL)
+        out, _ = launcher.communicate(timeout=240)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 0, out[-3000:]
+    assert "restart" in out.lower(), out[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == steps
+    counters = json.loads((run_dir / "buffer_counters.json").read_text())
+    # The restarted generator received the republished weights and kept up with versions.
+    assert counters["buffer/generator_version_min"] >= steps - 2

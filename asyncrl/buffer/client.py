@@ -3,6 +3,9 @@ published versions. One client per trainer rank (a DEALER socket)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import zmq
 
 from asyncrl.transport import TransportConfig, make_socket, read_endpoints
@@ -20,16 +23,34 @@ class BufferClient:
         self.sock.connect(endpoints["trainer"])
         self.decoder = WireDecoder(run_id, expected=Batch)
 
-    def request_batch(self, step: int, world_size: int, timeout_s: float = 600.0) -> Batch:
-        """Block until the buffer hands over this rank's share of ``step``'s batch."""
+    def request_batch(
+        self,
+        step: int,
+        world_size: int,
+        timeout_s: float = 600.0,
+        on_wait: Callable[[], None] | None = None,
+        wait_tick_s: float = 10.0,
+    ) -> Batch:
+        """Block until the buffer hands over this rank's share of ``step``'s batch.
+
+        ``on_wait`` runs every ``wait_tick_s`` without a batch: rank 0 republishes its
+        weights there, since a generator that (re)joined after the last publish would
+        otherwise decode forever with weights too stale for the buffer to accept.
+        """
         self.sock.send(
             encode(
                 BatchRequest(run_id=self.run_id, step=step, rank=self.rank, world_size=world_size)
             )
         )
+        deadline = time.monotonic() + timeout_s
         while True:
-            if not self.sock.poll(int(timeout_s * 1000)):
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise TimeoutError(f"no batch for step {step} after {timeout_s:.0f} s")
+            if not self.sock.poll(int(min(left, wait_tick_s) * 1000)):
+                if on_wait is not None:
+                    on_wait()
+                continue
             batch = self.decoder.try_decode(self.sock.recv(copy=False).buffer, "trainer socket")
             if isinstance(batch, Batch) and batch.step == step:
                 return batch

@@ -6,7 +6,10 @@ weights at the start of the step, takes one decoupled-PPO step on the FSDP2 core
 rank 0 publishes the new weights as version i+1 (raw ZeroMQ frames to every generator)
 and announces the version to the buffer. The buffer and generator processes are started
 by the launcher from ``rollout()``; ``max_staleness=0`` is the synchronous baseline
-through this same code.
+through this same code. ``placement="colocated"`` runs this same step with generation
+inside the trainer process, between steps (``asyncrl.stages.colocated``). With
+``algorithm="ppo"`` a critic on the same ranks (``asyncrl.stages.critic``) turns each
+trajectory's reward into GAE advantages and takes its value step after the publish.
 """
 
 from __future__ import annotations
@@ -17,21 +20,20 @@ from datetime import datetime
 from pathlib import Path
 from typing import ClassVar, Literal
 
-import torch
-import zmq
-
-from asyncrl.algorithms.advantages import grpo_advantages, overlong_penalty, rloo_advantages
-from asyncrl.algorithms.losses import PPOLossConfig, ppo_loss, token_entropy
+from asyncrl.algorithms.losses import PPOLossConfig
 from asyncrl.buffer.client import BufferClient
 from asyncrl.buffer.core import BufferConfig
 from asyncrl.buffer.rewards import RewardConfig
-from asyncrl.config import save_json
+from asyncrl.config import ConfigError, save_json
 from asyncrl.engine.embedded import EngineConfig
 from asyncrl.evaluation import EvalConfig
 from asyncrl.metrics import MetricsConfig, MetricsLogger
 from asyncrl.models import ModelConfig, load_model, load_tokenizer
 from asyncrl.rollout import RolloutConfig, SamplingConfig
+from asyncrl.stages.colocated import ColocatedRollout
 from asyncrl.stages.common import ProcessSpec, out_of_time, stage_main, trainer_ranks
+from asyncrl.stages.critic import Critic, CriticConfig
+from asyncrl.stages.rl_batch import policy_loss, recompute_logprobs, to_sequences
 from asyncrl.stages.sft import Evaluator
 from asyncrl.tasks import TaskConfig, build_task
 from asyncrl.trainer.checkpoint import (
@@ -43,16 +45,16 @@ from asyncrl.trainer.checkpoint import (
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import TrainerCore
 from asyncrl.trainer.dist import DistInfo
-from asyncrl.trainer.logprobs import token_logprobs
-from asyncrl.trainer.packing import TokenSequence, make_micro_batches
-from asyncrl.transport import TransportConfig, bind, make_socket, write_endpoints
-from asyncrl.wire import Sample, encode_tensors
+from asyncrl.trainer.packing import make_micro_batches
+from asyncrl.trainer.publish import WeightPublisher
+from asyncrl.transport import TransportConfig
 
 
 @dataclass
 class RLConfig:
-    algorithm: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
-    """Advantage estimator: GRPO, Dr.GRPO (no std scaling) or RLOO."""
+    algorithm: Literal["grpo", "dr_grpo", "rloo", "ppo"] = "grpo"
+    """Advantage estimator: GRPO, Dr.GRPO (no std scaling), RLOO, or PPO with a critic
+    (GAE over token values, see ``critic``)."""
     max_steps: int = 100
     """Optimizer steps (= published versions) of the run."""
     overlong_cache: int = 0
@@ -60,6 +62,8 @@ class RLConfig:
     export_dir: str = ""
     """Write the final policy as an HF directory here; empty means ``RUN_DIR/hf``."""
     loss: PPOLossConfig = field(default_factory=PPOLossConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The value model, GAE and the value loss; used when ``algorithm`` is ``ppo``."""
 
 
 @dataclass
@@ -74,6 +78,11 @@ class RLExperiment:
     """End the run after this many seconds of training (0: no limit)."""
     num_generators: int = 1
     """Generator processes."""
+    placement: Literal["async", "colocated"] = "async"
+    """``async``: buffer, generator and trainer processes (DESIGN §2). ``colocated``: one
+    trainer process alternates generation and training on the cores the async placement
+    would use, on-policy (``buffer.max_staleness`` becomes 0): the synchronous
+    hybrid-engine baseline, through the same RL step."""
     init_from_experiment: str = ""
     """Experiment file whose run writes ``model.path``; the launcher runs it first when
     that directory is missing (e.g. SFT before RL)."""
@@ -101,9 +110,16 @@ class RLExperiment:
             self.optim.total_steps = self.rl.max_steps
         if not self.rl.export_dir:
             self.rl.export_dir = str(Path(self.run_dir) / "hf")
+        if self.placement == "colocated":
+            if self.trainer.num_ranks != 1:
+                raise ConfigError("placement=colocated runs one process: set trainer.num_ranks=1")
+            self.buffer.max_staleness = 0  # step i trains only on tokens of version i
 
     def processes(self, config_path: str) -> list[ProcessSpec]:
-        """The buffer, the generators (restarted when they die) and the trainer ranks."""
+        """The buffer, the generators (restarted when they die) and the trainer ranks; only
+        the trainer when colocated."""
+        if self.placement == "colocated":
+            return trainer_ranks(self, config_path)
         rollout_path = str(Path(config_path).with_name("rollout.json"))
         save_json(self.rollout(), rollout_path)
         threads = max(1, self.engine.threads)
@@ -121,142 +137,74 @@ class RLExperiment:
         """The config the buffer and generator processes read."""
         return RolloutConfig(run_dir=self.run_dir, run_id=self.run_id, seed=self.seed, model=self.model,
                              task=self.task, buffer=self.buffer, sampling=self.sampling, reward=self.reward,
-                             transport=self.transport, engine=self.engine)  # fmt: skip
-
-
-def to_sequences(samples: list[Sample], cfg: RLExperiment) -> list[TokenSequence]:
-    """Trajectories to training sequences with per-token behavior logprobs and advantages.
-
-    Samples arrive as whole groups (the buffer keeps a group on one rank), in group order.
-    """
-    groups: dict[int, list[Sample]] = {}
-    for s in samples:
-        groups.setdefault(s.group_id, []).append(s)
-    out = []
-    for members in groups.values():
-        rewards = torch.tensor([[s.reward for s in members]], dtype=torch.float32)
-        if cfg.rl.overlong_cache:
-            lengths = torch.tensor([sum(s.loss_mask) for s in members])
-            rewards = (
-                rewards
-                + overlong_penalty(lengths, cfg.sampling.max_new_tokens, cfg.rl.overlong_cache)[
-                    None
-                ]
-            )
-        if cfg.rl.algorithm == "rloo":
-            adv = rloo_advantages(rewards)[0]
-        else:
-            adv = grpo_advantages(rewards, scale_by_std=cfg.rl.algorithm == "grpo")[0]
-        for s, a in zip(members, adv.tolist()):
-            out.append(TokenSequence(s.token_ids, s.loss_mask, {
-                "behavior": s.logprobs, "advantages": [a * m for m in s.loss_mask],
-            }))  # fmt: skip
-    return out
-
-
-class WeightPublisher:
-    """Rank 0's PUB socket: every generator receives each published version."""
-
-    def __init__(self, cfg: RLExperiment) -> None:
-        self.ctx = zmq.Context()
-        self.sock = make_socket(self.ctx, zmq.PUB, cfg.transport)
-        endpoint = bind(self.sock, cfg.transport, cfg.run_dir, "trainer-weights")
-        write_endpoints(cfg.run_dir, "trainer", {"weights": endpoint})
-        self.run_id = cfg.run_id
-
-    def publish(self, version: int, state: dict[str, torch.Tensor]) -> float:
-        start = time.perf_counter()
-        self.sock.send_multipart(encode_tensors(version, self.run_id, state), copy=False)
-        return time.perf_counter() - start
-
-    def close(self) -> None:
-        self.ctx.destroy(linger=1000)
+                             transport=self.transport, engine=self.engine, metrics=self.metrics)  # fmt: skip
 
 
 def run(cfg: RLExperiment, info: DistInfo) -> dict:
-    task = build_task(cfg.task)
     tokenizer = load_tokenizer(cfg.model.path)
     core = TrainerCore(cfg.model, cfg.trainer, cfg.optim, info, tokenizer.pad_token_id)
-    evaluate = Evaluator(cfg, task, info)
-    publisher = WeightPublisher(cfg) if info.is_main else None
-    client = BufferClient(cfg.run_dir, cfg.run_id, info.rank, cfg.transport)
+    critic = (Critic(cfg.rl.critic, cfg.model, cfg.trainer, info, tokenizer.pad_token_id, cfg.rl.max_steps)
+              if cfg.rl.algorithm == "ppo" else None)  # fmt: skip
+    companions = {"critic": critic.core} if critic is not None else {}
+    evaluate = Evaluator(cfg, build_task(cfg.task), info)
+    if cfg.placement == "colocated":  # one in-process object stands in for buffer and generators
+        publisher = client = ColocatedRollout(cfg, info)
+    else:
+        publisher = WeightPublisher(cfg) if info.is_main else None
+        client = BufferClient(cfg.run_dir, cfg.run_id, info.rank, cfg.transport)
     log = MetricsLogger(cfg.run_dir, "trainer", cfg.metrics, info.is_main, cfg.rl.max_steps)
     ckpt_root = Path(cfg.run_dir) / "checkpoints"
-    resume_from = latest_checkpoint(ckpt_root) if cfg.trainer.resume else None
-    accuracy = {} if resume_from else evaluate(core)
-    if resume_from is not None:
-        load_checkpoint(core, resume_from)
-    initial = accuracy.get("eval/accuracy")
-    if accuracy:
-        log.log(core.step, accuracy)
-    if publisher is not None and core.step > 0:  # generators start from model.path (version 0)
-        publisher.publish(core.step, core.full_state_dict())
-    elif core.step > 0:
-        core.full_state_dict()
-    if info.is_main:
-        client.announce_version(core.step)
-    start, stop, temperature = time.time(), False, max(cfg.sampling.temperature, 1e-6)
+    accuracy = resume_or_evaluate(
+        core, companions, ckpt_root, cfg, evaluate, publisher, client, log
+    )
+    initial, temperature = accuracy.get("eval/accuracy"), max(cfg.sampling.temperature, 1e-6)
     # A frozen, unsharded copy of the starting policy on every rank when the loss has a KL term.
     reference = load_model(cfg.model, info.device).eval() if cfg.rl.loss.kl_coef else None
-
-    def loss_fn(logits, mb):
-        f = mb.fields
-        if "proximal" not in f:  # padding micro-batch of a rank that got no samples
-            return logits.sum() * 0.0, {}
-        logp = token_logprobs(logits, mb.input_ids, temperature)
-        entropy = token_entropy(logits, temperature) if cfg.rl.loss.entropy_coef else None
-        return ppo_loss(logp, f["proximal"], f["behavior"], f["advantages"], mb.loss_mask, cfg.rl.loss,
-                        ref_logprobs=f.get("reference"), entropy=entropy)  # fmt: skip
-
+    loss_fn, republish = policy_loss(cfg, temperature), getattr(publisher, "republish", None)
+    start, stop = time.time(), False
     while core.step < cfg.rl.max_steps and not stop:
         # 1. my share of this step's batch (whole groups, at most max_staleness old)
         wait = time.perf_counter()
-        batch = client.request_batch(core.step, info.world_size)
+        batch = client.request_batch(core.step, info.world_size, on_wait=republish,
+                                     wait_tick_s=max(1.0, 5 * cfg.transport.heartbeat_s))  # fmt: skip
         waited = time.perf_counter() - wait
         micro = make_micro_batches(to_sequences(batch.samples, cfg), cfg.trainer.micro_batch_tokens,
                                    cfg.trainer.packing, tokenizer.pad_token_id, cfg.trainer.row_tokens)  # fmt: skip
         # 2. proximal logprobs: the weights at the start of this step, no grad
-        with torch.no_grad():
-            for mb in core.align(micro):
-                moved = mb.to(info.device)
-                mb.fields["proximal"] = token_logprobs(
-                    core.forward(moved), moved.input_ids, temperature
-                ).cpu()
-                if reference is not None:  # frozen starting policy, for the KL term
-                    ref_logits = reference(
-                        input_ids=moved.input_ids,
-                        position_ids=moved.position_ids,
-                        attention_mask=moved.attention_mask,
-                        use_cache=False,
-                    ).logits
-                    mb.fields["reference"] = token_logprobs(
-                        ref_logits, moved.input_ids, temperature
-                    ).cpu()
-        # 3. one decoupled-PPO step
+        recompute_logprobs(core, micro, reference, temperature)
+        # 3. PPO with a critic: values before any update, then GAE advantages
+        critic_scalars = critic.advantages(critic.values(micro)) if critic is not None else {}
+        # 4. one decoupled-PPO step
         stats = core.train_step(micro, loss_fn)
-        # 4. publish version v+1 to the generators and announce it to the buffer
+        # 5. publish version v+1 to the generators and announce it to the buffer
         state = core.full_state_dict()
         sync_s = publisher.publish(core.step, state) if publisher is not None else 0.0
         if info.is_main:
             client.announce_version(core.step)
+        if critic is not None:  # after publishing, so generators need not wait for it
+            critic_scalars |= critic.train(micro)
         rewards = [s.reward for s in batch.samples]
         scalars = {"train/loss": stats.loss, "train/grad_norm": stats.grad_norm, "train/lr": stats.lr,
-                   "train/tokens_per_s": stats.tokens / stats.seconds, "train/wait_for_batch_s": waited,
+                   "train/tokens": stats.tokens, "train/tokens_per_s": stats.tokens / stats.seconds,
+                   "train/step_s": stats.seconds, "train/wait_for_batch_s": waited,
                    "train/weight_publish_s": sync_s, "rollout/reward": sum(rewards) / max(len(rewards), 1),
-                   **stats.metrics}  # fmt: skip
+                   **stats.metrics, **critic_scalars}  # fmt: skip
         stop = out_of_time(start, cfg.time_limit_s, info)
         last = core.step >= cfg.rl.max_steps or stop
         if cfg.eval.every_steps and (core.step % cfg.eval.every_steps == 0 or last):
             accuracy = evaluate(core)
             scalars.update(accuracy)
         log.log(core.step, scalars)
-        postfix = {"reward": f"{scalars['rollout/reward']:.2f}"}
-        if "eval/accuracy" in accuracy:
-            postfix["acc"] = f"{accuracy['eval/accuracy']:.2f}"
-        log.progress(1, postfix)
+        log.progress(
+            1,
+            {
+                "reward": f"{scalars['rollout/reward']:.2f}",
+                "acc": f"{accuracy.get('eval/accuracy', 0):.2f}",
+            },
+        )
         every = cfg.trainer.checkpoint_every
         if (every and core.step % every == 0) or last:
-            save_checkpoint(core, ckpt_root, {}, cfg.trainer.keep_checkpoints)
+            save_checkpoint(core, ckpt_root, {}, cfg.trainer.keep_checkpoints, companions)
     if cfg.rl.export_dir:
         export_hf(core, cfg.rl.export_dir)
     summary = {"steps": core.step, "train_time_s": round(time.time() - start, 2),
@@ -268,6 +216,25 @@ def run(cfg: RLExperiment, info: DistInfo) -> dict:
     if publisher is not None:
         publisher.close()
     return summary
+
+
+def resume_or_evaluate(core, companions, ckpt_root, cfg, evaluate, publisher, client, log) -> dict:
+    """Resume from the newest checkpoint (and send its weights to the generators, which
+    start from ``model.path``, version 0), or evaluate the starting policy; announce the
+    version to the buffer. Returns the starting evaluation ({} when resumed)."""
+    resume_from = latest_checkpoint(ckpt_root) if cfg.trainer.resume else None
+    accuracy = {} if resume_from else evaluate(core)
+    if resume_from is not None:
+        load_checkpoint(core, resume_from, companions)
+    if accuracy:
+        log.log(core.step, accuracy)
+    if core.step > 0:
+        state = core.full_state_dict()  # collective: every rank gathers
+        if publisher is not None:
+            publisher.publish(core.step, state)
+    if core.info.is_main:
+        client.announce_version(core.step)
+    return accuracy
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,88 @@
+"""From a buffer batch to training inputs, for the RL step (DESIGN §6): group rewards to
+per-token advantages (or token rewards, for the critic), the logprobs recomputed with the
+step's starting weights (proximal, and the frozen reference's for a KL term), and the
+decoupled-PPO loss over a micro-batch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from asyncrl.algorithms.advantages import grpo_advantages, overlong_penalty, rloo_advantages
+from asyncrl.algorithms.losses import ppo_loss, token_entropy
+from asyncrl.stages.critic import reward_on_last_token
+from asyncrl.trainer.core import TrainerCore
+from asyncrl.trainer.logprobs import token_logprobs
+from asyncrl.trainer.packing import MicroBatch, TokenSequence
+from asyncrl.wire import Sample
+
+
+def to_sequences(samples: list[Sample], cfg) -> list[TokenSequence]:
+    """Trajectories to training sequences with per-token behavior logprobs and advantages
+    (for PPO, token rewards: the critic computes the advantages).
+
+    Samples arrive as whole groups (the buffer keeps a group on one rank), in group order.
+    """
+    groups: dict[int, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(s.group_id, []).append(s)
+    out = []
+    for members in groups.values():
+        rewards = torch.tensor([[s.reward for s in members]], dtype=torch.float32)
+        if cfg.rl.overlong_cache:
+            lengths = torch.tensor([sum(s.loss_mask) for s in members])
+            rewards = (
+                rewards
+                + overlong_penalty(lengths, cfg.sampling.max_new_tokens, cfg.rl.overlong_cache)[
+                    None
+                ]
+            )
+        if cfg.rl.algorithm == "ppo":  # the critic turns token rewards into advantages later
+            adv = rewards[0]
+        elif cfg.rl.algorithm == "rloo":
+            adv = rloo_advantages(rewards)[0]
+        else:
+            adv = grpo_advantages(rewards, scale_by_std=cfg.rl.algorithm == "grpo")[0]
+        for s, a in zip(members, adv.tolist()):
+            per_token = ({"rewards": reward_on_last_token(s.loss_mask, a)} if cfg.rl.algorithm == "ppo"
+                         else {"advantages": [a * m for m in s.loss_mask]})  # fmt: skip
+            out.append(
+                TokenSequence(s.token_ids, s.loss_mask, {"behavior": s.logprobs, **per_token})
+            )
+    return out
+
+
+def recompute_logprobs(
+    core: TrainerCore,
+    micro: list[MicroBatch],
+    reference: torch.nn.Module | None,
+    temperature: float,
+) -> None:
+    """Store ``proximal`` (the policy at the start of this step) and, with a frozen
+    ``reference``, ``reference`` logprobs ``[rows, T]`` in each micro-batch; no grad."""
+    with torch.no_grad():
+        for mb in core.align(micro):
+            moved = mb.to(core.info.device)
+            mb.fields["proximal"] = token_logprobs(
+                core.forward(moved), moved.input_ids, temperature
+            ).cpu()
+            if reference is not None:
+                logits = reference(input_ids=moved.input_ids, position_ids=moved.position_ids,
+                                   attention_mask=moved.attention_mask, use_cache=False).logits  # fmt: skip
+                mb.fields["reference"] = token_logprobs(logits, moved.input_ids, temperature).cpu()
+
+
+def policy_loss(cfg, temperature: float) -> Callable:
+    """The trainer core's ``loss_fn`` for the policy: decoupled PPO on a micro-batch."""
+
+    def loss_fn(logits: torch.Tensor, mb: MicroBatch):
+        f = mb.fields
+        if "proximal" not in f:  # padding micro-batch of a rank that got no samples
+            return logits.sum() * 0.0, {}
+        logp = token_logprobs(logits, mb.input_ids, temperature)
+        entropy = token_entropy(logits, temperature) if cfg.rl.loss.entropy_coef else None
+        return ppo_loss(logp, f["proximal"], f["behavior"], f["advantages"], mb.loss_mask, cfg.rl.loss,
+                        ref_logprobs=f.get("reference"), entropy=entropy)  # fmt: skip
+
+    return loss_fn
