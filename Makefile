@@ -19,7 +19,7 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) launch/local.py experiments/tiny_sft.py $(ARGS)
+	$(PY) launch/local.py experiments/tiny_grpo.py $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
