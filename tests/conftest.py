@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from asyncrl.models import TinyModelConfig, build_tiny_model
 from asyncrl.tasks import TaskConfig, build_task
+from asyncrl.trainer.dist import init_distributed
 
 # Smaller than the demo's model so tests stay fast; same architecture and code path.
 TEST_MODEL = TinyModelConfig(
@@ -28,3 +31,12 @@ def task():
 def tiny_model_dir(tmp_path_factory, task):
     texts = [ex.prompt + ex.completion for ex in task.examples("train")]
     return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", texts, TEST_MODEL))
+
+
+@pytest.fixture(scope="session")
+def dist_info(tmp_path_factory):
+    """A one-rank gloo process group for in-process trainer cores (joined once; every
+    later ``init_distributed`` in this process reuses it)."""
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    return init_distributed("cpu", str(tmp_path_factory.mktemp("rdv") / "rendezvous"))

@@ -32,18 +32,12 @@ from asyncrl.stages.rl_batch import to_sequences
 from asyncrl.tasks import TaskConfig
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import TrainerCore
-from asyncrl.trainer.dist import init_distributed
 from asyncrl.trainer.logprobs import token_logprobs
 from asyncrl.trainer.packing import make_micro_batches
 from asyncrl.wire import SamplingSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS, GROUP = 3, 4
-
-
-@pytest.fixture(scope="module")
-def dist_info(tmp_path_factory):
-    return init_distributed("cpu", str(tmp_path_factory.mktemp("rdv") / "rendezvous"))
 
 
 def _experiment(model_dir: str, run_dir: Path) -> RLExperiment:

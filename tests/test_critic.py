@@ -30,13 +30,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def dist_info(tmp_path_factory):
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    return init_distributed("cpu", str(tmp_path_factory.mktemp("rdv") / "rendezvous"))
-
-
-@pytest.fixture(scope="module")
 def critic_dir(tiny_model_dir, tmp_path_factory):
     """A value model with a random head, so values differ from token to token."""
     model = load_model(ModelConfig(path=tiny_model_dir, head="value"))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,16 +17,8 @@ from asyncrl.stages.sft import SFTConfig, SFTExperiment, run
 from asyncrl.tasks import TaskConfig
 from asyncrl.trainer.checkpoint import latest_checkpoint
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
-from asyncrl.trainer.dist import init_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def dist_info(tmp_path_factory):
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    return init_distributed("cpu", str(tmp_path_factory.mktemp("rdv") / "rendezvous"))
 
 
 def _experiment(run_dir: Path, model_dir: str, max_steps: int) -> SFTExperiment:

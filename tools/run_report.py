@@ -71,14 +71,6 @@ def generator_figures(records: list[dict], run_dir: Path) -> dict[str, dict[str,
     return figures
 
 
-def _rounded(value: Any) -> Any:
-    if isinstance(value, float):
-        return round(value, 4)
-    if isinstance(value, dict):
-        return {k: _rounded(v) for k, v in value.items()}
-    return value
-
-
 def report(run_dir: str | Path, minutes: list[float]) -> dict[str, Any]:
     run_dir = Path(run_dir)
     records = read_metrics(run_dir)

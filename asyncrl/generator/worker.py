@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from asyncrl.config import load_json
-from asyncrl.engine.base import Engine, Request, SamplingParams
+from asyncrl.engine.base import Engine, Request, SamplingParams, StepOutput
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.generator.stats import GeneratorStats
 from asyncrl.metrics import MetricsLogger
@@ -45,8 +45,8 @@ from asyncrl.wire import (
 
 
 @dataclass
-class _Pending:
-    """Tokens of one lease not yet sent."""
+class PendingLease:
+    """Tokens of one lease generated and not yet sent."""
 
     lease: Lease
     seq: int = 0
@@ -54,6 +54,17 @@ class _Pending:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     last_flush: float = 0.0
+
+
+def record_tokens(pending: dict, out: StepOutput) -> list[tuple[PendingLease, str]]:
+    """Append an engine step's tokens (each with its logprob and version) to their leases;
+    remove the finished ones from ``pending`` and return them with their finish reason."""
+    for t in out.tokens:
+        p = pending[t.request_id]
+        p.token_ids.append(t.token_id)
+        p.logprobs.append(t.logprob)
+        p.versions.append(t.version)
+    return [(pending.pop(f.request_id), f.reason) for f in out.finished]
 
 
 class GeneratorWorker:
@@ -70,7 +81,7 @@ class GeneratorWorker:
         self.dealer.connect(endpoints["leases"])
         self.decoder = WireDecoder(cfg.run_id)
         self.weights_decoder = WireDecoder(cfg.run_id, expected=WeightsAnnounce)
-        self.pending: dict[str, _Pending] = {}
+        self.pending: dict[str, PendingLease] = {}
         self.asked = False  # a LeaseRequest is out and unanswered
         self.stop_event = threading.Event()
         self.tokens_sent = 0
@@ -135,7 +146,7 @@ class GeneratorWorker:
                                     temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
                                     stop_token_ids=list(s.stop_token_ids))  # fmt: skip
             self.engine.submit(Request(lease.lease_id, lease.prompt_ids + lease.prefix_ids, params))
-            self.pending[lease.lease_id] = _Pending(lease, last_flush=now)
+            self.pending[lease.lease_id] = PendingLease(lease, last_flush=now)
 
     # ---- decoding ------------------------------------------------------------------
     def _step(self) -> None:
@@ -174,13 +185,8 @@ class GeneratorWorker:
 
     # ---- chunks --------------------------------------------------------------------
     def _record(self, out, now: float) -> None:
-        for t in out.tokens:
-            p = self.pending[t.request_id]
-            p.token_ids.append(t.token_id)
-            p.logprobs.append(t.logprob)
-            p.versions.append(t.version)
-        for f in out.finished:
-            self._send(self.pending.pop(f.request_id), now, finished=True, reason=f.reason)
+        for p, reason in record_tokens(self.pending, out):
+            self._send(p, now, finished=True, reason=reason)
 
     def _flush(self, now: float, force: bool) -> None:
         t = self.cfg.transport
@@ -189,7 +195,7 @@ class GeneratorWorker:
             if p.token_ids and (due or force):
                 self._send(p, now, finished=False, reason=None)
 
-    def _send(self, p: _Pending, now: float, finished: bool, reason: str | None) -> None:
+    def _send(self, p: PendingLease, now: float, finished: bool, reason: str | None) -> None:
         chunk = Chunk(run_id=self.cfg.run_id, worker_id=self.worker_id, lease_id=p.lease.lease_id, seq=p.seq,
                       token_ids=p.token_ids, logprobs=p.logprobs, versions=p.versions, finished=finished,
                       finish_reason=reason)  # fmt: skip

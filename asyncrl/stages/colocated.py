@@ -20,7 +20,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,12 +30,13 @@ from asyncrl.buffer.core import RolloutBuffer
 from asyncrl.buffer.server import Scoring, buffer_counters
 from asyncrl.engine.base import Request, SamplingParams, StepOutput
 from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.generator.worker import PendingLease, record_tokens
 from asyncrl.metrics import MetricsLogger
 from asyncrl.rollout import TaskPrompts
 from asyncrl.stages.common import threads_for
 from asyncrl.tasks import build_task
 from asyncrl.trainer.dist import DistInfo
-from asyncrl.wire import Batch, Chunk, Lease
+from asyncrl.wire import Batch, Chunk
 
 if TYPE_CHECKING:
     from asyncrl.stages.rl import RLExperiment
@@ -54,17 +55,6 @@ def colocated_threads(cfg: RLExperiment) -> int:
     trainer = threads_for(cfg.trainer.threads_per_rank, cfg.trainer.num_ranks)
     generators = (cfg.engine.threads or cores) * cfg.num_generators
     return max(1, min(cores, trainer * cfg.trainer.num_ranks + generators))
-
-
-@dataclass
-class _Pending:
-    """Tokens of one lease generated so far; they go to the buffer as one chunk at the end
-    (nobody reads a trajectory while it grows here, so streaming would buy nothing)."""
-
-    lease: Lease
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -110,7 +100,7 @@ class ColocatedRollout:
         prompts = TaskPrompts(build_task(cfg.task), cfg.model.path, cfg.seed)
         self.scoring = Scoring(rollout)
         self.buffer = RolloutBuffer(rollout.buffer, cfg.run_id, prompts, None, cfg.sampling.spec())
-        self.pending: dict[str, _Pending] = {}
+        self.pending: dict[str, PendingLease] = {}
         self.metrics = MetricsLogger(
             cfg.run_dir, WORKER_ID, replace(cfg.metrics, progress_bar=False)
         )
@@ -216,21 +206,18 @@ class ColocatedRollout:
                     Request(lease.lease_id, lease.prompt_ids + lease.prefix_ids, params)
                 )
             except ValueError:  # a prompt the engine cannot run fails its group, as in the buffer
-                self._finish(_Pending(lease), "error")
+                self._finish(PendingLease(lease), "error")
                 continue
-            self.pending[lease.lease_id] = _Pending(lease)
+            self.pending[lease.lease_id] = PendingLease(lease)
         return len(leases)
 
     def _record(self, out: StepOutput) -> None:
-        for t in out.tokens:
-            p = self.pending[t.request_id]
-            p.token_ids.append(t.token_id)
-            p.logprobs.append(t.logprob)
-            p.versions.append(t.version)
-        for f in out.finished:
-            self._finish(self.pending.pop(f.request_id), f.reason)
+        # Each lease goes to the buffer as one chunk when it finishes: nobody reads a
+        # trajectory while it grows here, so streaming would buy nothing.
+        for p, reason in record_tokens(self.pending, out):
+            self._finish(p, reason)
 
-    def _finish(self, p: _Pending, reason: str) -> None:
+    def _finish(self, p: PendingLease, reason: str) -> None:
         chunk = Chunk(run_id=self.run_id, worker_id=WORKER_ID, lease_id=p.lease.lease_id, seq=0,
                       token_ids=p.token_ids, logprobs=p.logprobs, versions=p.versions, finished=True,
                       finish_reason=reason)  # fmt: skip
