@@ -32,12 +32,8 @@ def to_sequences(samples: list[Sample], cfg) -> list[TokenSequence]:
         rewards = torch.tensor([[s.reward for s in members]], dtype=torch.float32)
         if cfg.rl.overlong_cache:
             lengths = torch.tensor([sum(s.loss_mask) for s in members])
-            rewards = (
-                rewards
-                + overlong_penalty(lengths, cfg.sampling.max_new_tokens, cfg.rl.overlong_cache)[
-                    None
-                ]
-            )
+            penalty = overlong_penalty(lengths, cfg.sampling.max_new_tokens, cfg.rl.overlong_cache)
+            rewards = rewards + penalty  # [1, n] + [n]
         if cfg.rl.algorithm == "ppo":  # the critic turns token rewards into advantages later
             adv = rewards[0]
         elif cfg.rl.algorithm == "rloo":

@@ -116,17 +116,16 @@ class ReasoningGymTask:
     def _unseen_example(self, index: int) -> Example:
         return self._example("unseen", index, self._unseen_pool[index])
 
+    def _train_questions(self) -> set[str]:
+        """The train split's questions (a fresh set: callers add to it)."""
+        return {self._train[i]["question"] for i in range(self.config.train_size)}
+
     def _unseen(self) -> list[int]:
         """Indices into the unseen pool of its distinct problems found in neither train nor
         eval (only as many as the problem space leaves: a small space leaves few)."""
-        seen = {self._train[i]["question"] for i in range(self.config.train_size)}
+        seen = self._train_questions()
         seen |= {ex.meta["entry"]["question"] for ex in self.examples("eval")}
-        indices = []
-        for i in range(self.config.unseen_candidates):
-            question = self._unseen_pool[i]["question"]
-            if question not in seen:
-                seen.add(question)
-                indices.append(i)
+        indices = _first_distinct(self._unseen_pool, self.config.unseen_candidates, seen)
         if not indices:
             raise ValueError(
                 f"{self.name}: none of {self.config.unseen_candidates} unseen candidates is "
@@ -152,7 +151,7 @@ class ReasoningGymTask:
         cfg = self.config
         seen: set[str] = set()
         if cfg.train_size <= MAX_DEDUP_TRAIN_SIZE:
-            seen = {self._train[i]["question"] for i in range(cfg.train_size)}
+            seen = self._train_questions()
         else:
             log.warning(
                 "%s: train_size %d > %d, so eval is not deduplicated against train",
@@ -160,14 +159,7 @@ class ReasoningGymTask:
                 cfg.train_size,
                 MAX_DEDUP_TRAIN_SIZE,
             )
-        indices: list[int] = []
-        for i in range(self._eval_candidates):
-            if len(indices) == cfg.eval_size:
-                break
-            question = self._eval_pool[i]["question"]
-            if question not in seen:
-                seen.add(question)
-                indices.append(i)
+        indices = _first_distinct(self._eval_pool, self._eval_candidates, seen, cfg.eval_size)
         if len(indices) < cfg.eval_size:
             raise ValueError(
                 f"{self.name}: only {len(indices)} of {self._eval_candidates} eval candidates "
@@ -175,6 +167,22 @@ class ReasoningGymTask:
                 "lower eval_size or train_size, or widen dataset_kwargs"
             )
         return indices
+
+
+def _first_distinct(
+    pool: Any, candidates: int, seen: set[str], limit: int | None = None
+) -> list[int]:
+    """Indices of the first ``limit`` (all, for None) of ``pool[:candidates]`` whose
+    question is not in ``seen`` nor repeated; adds each one taken to ``seen``."""
+    indices: list[int] = []
+    for i in range(candidates):
+        if len(indices) == limit:
+            break
+        question = pool[i]["question"]
+        if question not in seen:
+            seen.add(question)
+            indices.append(i)
+    return indices
 
 
 def _check_seeds(cfg: TaskConfig, eval_candidates: int) -> None:
