@@ -183,3 +183,81 @@ def value_loss(
             "critic/value_error": ((values - returns).abs() * loss_mask).sum(),
         }
     return (per_token * loss_mask).sum(), metrics
+
+
+def bradley_terry_loss(
+    chosen: torch.Tensor, rejected: torch.Tensor, margin: float = 0.0
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The reward model's pairwise loss, summed over pairs (the core divides by the pair
+    count): ``Σ_p −log σ(r_c − r_r − margin)``.
+
+    Args:
+        chosen: ``[P]`` scores of the preferred completions (with grad).
+        rejected: ``[P]`` scores of the dispreferred ones.
+        margin: how far the chosen score must clear the rejected one before the loss
+            stops pushing (Llama 2's margin loss; 0 is plain Bradley–Terry).
+
+    Metric sums: pairs ranked right (``r_c > r_r``), the score gap, the mean score.
+    """
+    diff = chosen.float() - rejected.float()
+    loss_sum = -torch.nn.functional.logsigmoid(diff - margin).sum()
+    with torch.no_grad():
+        metrics = {
+            "rm/accuracy": (diff > 0).float().sum(),
+            "rm/margin": diff.sum(),
+            "rm/score": 0.5 * (chosen + rejected).float().sum(),
+        }
+    return loss_sum, metrics
+
+
+@dataclass
+class DPOLossConfig:
+    beta: float = 0.1
+    """β: the inverse temperature of the implicit reward β·log(π/π_ref); larger keeps the
+    policy closer to the reference."""
+    label_smoothing: float = 0.0
+    """ε of conservative DPO: the probability that a pair's label is flipped (sigmoid loss)."""
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    """``sigmoid`` (DPO) or ``ipo`` (the squared loss of IPO, which regresses the margin of
+    log-ratios to 1/(2β) instead of pushing it without bound)."""
+
+
+def dpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    cfg: DPOLossConfig,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DPO (or IPO) summed over pairs (the core divides by the pair count).
+
+    Every argument is ``[P]``: the summed completion-token logprobs of the chosen and the
+    rejected completion under the policy (with grad) and under the frozen reference. With
+    ``h = (π_c − ref_c) − (π_r − ref_r)``:
+
+        sigmoid: −(1 − ε)·log σ(β·h) − ε·log σ(−β·h)
+        ipo:     (h − 1/(2β))²
+
+    Metric sums: the implicit rewards β·(π − ref) of chosen and rejected, their margin,
+    and pairs whose chosen reward exceeds the rejected one.
+    """
+    chosen_ratio = policy_chosen.float() - ref_chosen.float()
+    rejected_ratio = policy_rejected.float() - ref_rejected.float()
+    h = chosen_ratio - rejected_ratio
+    if cfg.loss_type == "ipo":
+        per_pair = (h - 1.0 / (2.0 * cfg.beta)).square()
+    elif cfg.loss_type == "sigmoid":
+        eps = cfg.label_smoothing
+        logsig = torch.nn.functional.logsigmoid
+        per_pair = -(1.0 - eps) * logsig(cfg.beta * h) - eps * logsig(-cfg.beta * h)
+    else:
+        raise ValueError(f"unknown DPO loss_type {cfg.loss_type!r}")
+    with torch.no_grad():
+        chosen_reward, rejected_reward = cfg.beta * chosen_ratio, cfg.beta * rejected_ratio
+        metrics = {
+            "dpo/chosen_reward": chosen_reward.sum(),
+            "dpo/rejected_reward": rejected_reward.sum(),
+            "dpo/margin": (chosen_reward - rejected_reward).sum(),
+            "dpo/accuracy": (chosen_reward > rejected_reward).float().sum(),
+        }
+    return per_pair.sum(), metrics

@@ -46,6 +46,10 @@ class MicroBatch:
     fields: dict[str, torch.Tensor]
     seq_lens: list[int]
     """Lengths of the sequences in the order they appear."""
+    sequence_ids: torch.Tensor | None = None
+    """``[rows, L]`` long: which sequence (its index in ``seq_lens``) each token belongs
+    to, -1 on padding. Per-sequence quantities (a DPO logprob sum, a reward model's score)
+    are read through it."""
 
     @property
     def num_tokens(self) -> int:
@@ -60,7 +64,27 @@ class MicroBatch:
             attention_mask=move(self.attention_mask),
             fields={k: move(v) for k, v in self.fields.items()},
             seq_lens=self.seq_lens,
+            sequence_ids=move(self.sequence_ids),
         )
+
+    def sequence_sums(self, values: torch.Tensor) -> torch.Tensor:
+        """``[S]``: the sum of ``values`` (``[rows, L]``) over each sequence's tokens."""
+        assert self.sequence_ids is not None
+        ids = self.sequence_ids.reshape(-1)
+        real = ids >= 0
+        out = values.new_zeros(len(self.seq_lens))
+        return out.index_add(0, ids[real], values.reshape(-1)[real])
+
+    def last_token(self, values: torch.Tensor) -> torch.Tensor:
+        """``[S]``: ``values`` (``[rows, L]``) at each sequence's last token."""
+        assert self.sequence_ids is not None
+        ids = self.sequence_ids
+        # A token is its sequence's last when the next token belongs to another one.
+        nxt = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-1)
+        last = (ids >= 0) & (nxt != ids)
+        order = ids[last]  # sequence index of each last token, in row-major order
+        out = values.new_zeros(len(self.seq_lens))
+        return out.index_copy(0, order, values[last])
 
 
 def first_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
@@ -104,10 +128,13 @@ def _collate_rows(rows: list[list[TokenSequence]], pad_id: int, with_mask: bool)
     """
     width = max(sum(len(s) for s in row) for row in rows)
     names = list(rows[0][0].fields)
-    ids, pos, mask, attn = [], [], [], []
+    ids, pos, mask, attn, seq_ids = [], [], [], [], []
     fields: dict[str, list] = {n: [] for n in names}
+    count = 0
     for row in rows:
         tail = width - sum(len(s) for s in row)
+        seq_ids.append([count + i for i, s in enumerate(row) for _ in s.input_ids] + [-1] * tail)
+        count += len(row)
         ids.append([t for s in row for t in s.input_ids] + [pad_id] * tail)
         pos.append([p for s in row for p in range(len(s))] + list(range(tail)))
         mask.append([m for s in row for m in s.loss_mask] + [0] * tail)
@@ -121,6 +148,7 @@ def _collate_rows(rows: list[list[TokenSequence]], pad_id: int, with_mask: bool)
         attention_mask=torch.tensor(attn, dtype=torch.long) if with_mask else None,
         fields={n: torch.tensor(v, dtype=torch.float32) for n, v in fields.items()},
         seq_lens=[len(s) for row in rows for s in row],
+        sequence_ids=torch.tensor(seq_ids, dtype=torch.long),
     )
 
 
@@ -130,6 +158,7 @@ def make_micro_batches(
     layout: str = "packed",
     pad_id: int = 0,
     row_tokens: int = 256,
+    group_size: int = 1,
 ) -> list[MicroBatch]:
     """Group ``seqs`` into micro-batches of at most ``budget`` tokens (rows × width).
 
@@ -138,27 +167,37 @@ def make_micro_batches(
     rows are stacked into micro-batches. ``padded``: one sequence per row, in arrival
     order, padded to the longest in its micro-batch with an attention mask: the usual
     layout, kept as the baseline.
+
+    ``group_size`` > 1 keeps each run of that many consecutive sequences together, in
+    their order: in one row when packed, in consecutive rows of one micro-batch when
+    padded. A preference pair (chosen, rejected) is such a group, so its loss is computed
+    within one micro-batch from consecutive entries of ``seq_lens``.
     """
     if not seqs:
         return []
+    if len(seqs) % group_size:
+        raise ValueError(f"{len(seqs)} sequences do not split into groups of {group_size}")
     for s in seqs:
         if len(s) < 2 or s.loss_mask[0]:
             raise ValueError("a sequence needs at least 2 tokens and no target at position 0")
+    units = [seqs[i : i + group_size] for i in range(0, len(seqs), group_size)]
     if layout == "packed":
-        bins = first_fit_decreasing([len(s) for s in seqs], row_tokens)
-        rows = [[seqs[i] for i in sorted(b)] for b in bins]
+        bins = first_fit_decreasing([sum(len(s) for s in u) for u in units], row_tokens)
+        rows = [[s for i in sorted(b) for s in units[i]] for b in bins]
         rows.sort(key=lambda r: -sum(len(s) for s in r))  # widest first: little tail padding
+        blocks = [[row] for row in rows]
     elif layout == "padded":
-        rows = [[s] for s in seqs]  # arrival order, as a plain padded data loader has it
+        # arrival order, as a plain padded data loader has it
+        blocks = [[[s] for s in u] for u in units]
     else:
         raise ValueError(f"unknown layout {layout!r}")
     groups: list[list[list[TokenSequence]]] = [[]]
-    for row in rows:
+    for block in blocks:
         group = groups[-1]
-        width = max([sum(len(s) for s in r) for r in group + [row]])
-        if group and (len(group) + 1) * width > budget:
+        width = max([sum(len(s) for s in r) for r in group + block])
+        if group and (len(group) + len(block)) * width > budget:
             groups.append([])
-        groups[-1].append(row)
+        groups[-1].extend(block)
     return [_collate_rows(g, pad_id, with_mask=layout == "padded") for g in groups]
 
 
