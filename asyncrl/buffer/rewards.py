@@ -19,7 +19,7 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import BrokenExecutor, Future, ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from multiprocessing.queues import SimpleQueue
-from typing import Any
+from typing import Any, Literal
 
 from asyncrl.tasks.base import Split, Task, TaskConfig, build_task
 
@@ -38,6 +38,35 @@ class RewardConfig:
     """A score call running longer than this gives reward 0.0, and the workers are restarted
     because a running call cannot be cancelled. Timed from when the call starts in a worker
     (as seen by `poll`), so time queued or in worker start-up never counts."""
+    source: Literal["verifier", "model", "mixed"] = "verifier"
+    """Where rewards come from: the task's verifier (in the workers above), a reward model
+    (`model_path`, scored in a thread of the buffer process), or "mixed": both, as
+    `verifier_weight * verifier + model_weight * model`."""
+    model_path: str = ""
+    """HF directory of the reward model (a value-head model; see
+    `asyncrl.buffer.reward_model`). Required unless source is "verifier"."""
+    verifier_weight: float = 1.0
+    """Weight of the verifier's reward when source is "mixed" (unused otherwise)."""
+    model_weight: float = 1.0
+    """Weight of the reward model's score when source is "mixed" (unused otherwise)."""
+    model_batch_size: int = 64
+    """Sequences per reward-model forward at most; fewer when fewer are waiting."""
+    model_threads: int = 1
+    """torch intra-op threads of the reward-model thread's forwards (0: torch's default).
+    Set inside that thread, where torch's OpenMP build keeps it to that thread, so the
+    rest of the process (e.g. the colocated trainer) keeps its own count."""
+
+    def check(self) -> None:
+        """Raise ValueError, naming the field, if the reward source cannot be used."""
+        if self.source not in ("verifier", "model", "mixed"):
+            raise ValueError(f'reward.source {self.source!r} is not "verifier", "model" or "mixed"')
+        if self.source != "verifier" and not self.model_path:
+            raise ValueError(f'reward.model_path must be set when reward.source is "{self.source}"')
+        if self.model_batch_size < 1 or self.model_threads < 0:
+            raise ValueError(
+                f"reward.model_batch_size must be >= 1 and reward.model_threads >= 0, got "
+                f"{self.model_batch_size} and {self.model_threads}"
+            )
 
 
 @dataclass

@@ -8,8 +8,10 @@ Sockets it binds (endpoints published in ``RUN_DIR/endpoints/buffer.json``):
                      batch is complete) and VersionAnnounce
 
 Every frame is decoded by a ``WireDecoder``; a bad frame, or a good message on the wrong
-socket, is counted by kind and dropped. Rewards come from the task's verifier, run in a
-``RewardPool`` of worker processes (a timeout or an exception gives 0 and is counted). On exit
+socket, is counted by kind and dropped. Rewards (``Scoring``) come from the task's
+verifier, run in a ``RewardPool`` of worker processes (a timeout or an exception gives 0
+and is counted), from a reward model batched in a thread (``RewardModelScorer``), or from
+both, weighted (``RewardConfig.source``). On exit
 (SIGTERM or ``stop``) the counters go to ``RUN_DIR/buffer_counters.json``. Its state is
 saved to ``RUN_DIR/buffer_state.msgpack`` every ``checkpoint_s`` and at exit, and restored
 from there when the process starts again on the same run directory.
@@ -31,6 +33,7 @@ from pathlib import Path
 import zmq
 
 from asyncrl.buffer.core import RolloutBuffer
+from asyncrl.buffer.reward_model import RewardModelScorer, completion_text
 from asyncrl.buffer.rewards import RewardPool
 from asyncrl.config import load_json
 from asyncrl.metrics import MetricsConfig, MetricsLogger
@@ -54,25 +57,88 @@ DRAIN = 1000  # messages handled per socket per loop turn, so no socket starves 
 
 
 class Scoring:
-    """Finished samples to rewards through a ``RewardPool`` (worker processes, or inline
-    with ``workers=0``), with the task's own verifier on the decoded completion."""
+    """Finished samples to rewards, from the source ``cfg.reward.source`` names: the task's
+    verifier on the decoded completion, through a ``RewardPool`` (worker processes, or
+    inline with ``workers=0``); a reward model on prompt + completion token ids, through a
+    ``RewardModelScorer`` (a thread); or both, weighted. A sample's reward goes to the
+    buffer once every part it needs has arrived; ``pump`` never waits for either."""
 
     def __init__(self, cfg: RolloutConfig) -> None:
-        self.pool = RewardPool(cfg.task, cfg.reward)
+        reward = cfg.reward
+        reward.check()
+        self.reward = reward
+        # Kept for every source: callers read its counters and close it.
+        self.pool = RewardPool(cfg.task, reward)
         self.split = cfg.task.rl_split
         self.tokenizer = load_tokenizer(cfg.model.path)
+        self.reward_model: RewardModelScorer | None = None
+        if reward.source != "verifier":
+            self.reward_model = RewardModelScorer(
+                reward.model_path, reward.model_batch_size, reward.model_threads
+            )
+            self.task = build_task(cfg.task)  # the prompts, to tokenize as the generators do
+        self.prompt_ids: dict[int, list[int]] = {}
+        """Tokenized prompts by example index, filled on first use."""
+        # Samples submitted and not yet handed to the buffer, by an id of ours (buffer keys
+        # go to the pool and the scorer through it, so a repeated key cannot mix parts up):
+        # id -> (buffer key, {part: reward}).
+        self._waiting: dict[int, tuple[tuple[int, int], dict[str, float]]] = {}
+        self._next_id = 0
+        self._parts = {"verifier": {"verifier"}, "model": {"model"},
+                       "mixed": {"verifier", "model"}}[reward.source]  # fmt: skip
 
     def text(self, completion: list[int]) -> str:
-        eos = self.tokenizer.eos_token_id
-        ids = completion[:-1] if completion and completion[-1] == eos else completion
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return completion_text(self.tokenizer, completion)
+
+    def prompt(self, prompt_id: int) -> list[int]:
+        """The prompt's token ids as ``TaskPrompts`` gives them to the generators."""
+        if prompt_id not in self.prompt_ids:
+            prompt = self.task.examples(self.split)[prompt_id].prompt
+            self.prompt_ids[prompt_id] = self.tokenizer(prompt, add_special_tokens=False)[
+                "input_ids"
+            ]
+        return self.prompt_ids[prompt_id]
 
     def pump(self, buffer: RolloutBuffer) -> None:
         for key, prompt_id, completion in buffer.unscored:
-            self.pool.submit(key, self.split, prompt_id, self.text(completion))
+            item = self._next_id
+            self._next_id += 1
+            self._waiting[item] = (key, {})
+            if "verifier" in self._parts:
+                self.pool.submit(item, self.split, prompt_id, self.text(completion))
+            if self.reward_model is not None:
+                # The completion exactly as generated: with its EOS when it ended with one.
+                self.reward_model.submit(item, self.prompt(prompt_id) + list(completion))
         buffer.unscored.clear()
-        for key, reward in self.pool.poll():
-            buffer.on_reward(key, reward)
+        for item, reward in self.pool.poll():
+            self._arrive(buffer, item, "verifier", reward)
+        if self.reward_model is not None:
+            for item, reward in self.reward_model.poll():
+                self._arrive(buffer, item, "model", reward)
+
+    def pending(self) -> int:
+        """Samples submitted whose reward has not yet gone to the buffer."""
+        return len(self._waiting)
+
+    def close(self) -> None:
+        self.pool.close()
+        if self.reward_model is not None:
+            self.reward_model.close()
+
+    def _arrive(self, buffer: RolloutBuffer, item: int, part: str, reward: float) -> None:
+        key, parts = self._waiting[item]
+        parts[part] = reward
+        if not self._parts <= parts.keys():
+            return  # the other part is still on its way
+        del self._waiting[item]
+        if self.reward.source == "mixed":
+            combined = (
+                self.reward.verifier_weight * parts["verifier"]
+                + self.reward.model_weight * parts["model"]
+            )
+        else:
+            combined = parts[part]
+        buffer.on_reward(key, combined)
 
 
 def buffer_counters(buffer: RolloutBuffer, scoring: Scoring | None) -> dict[str, float]:
@@ -92,6 +158,9 @@ def buffer_counters(buffer: RolloutBuffer, scoring: Scoring | None) -> dict[str,
     out["buffer/reward_mean"] = buffer.reward_sum / scored if scored else 0.0
     if scoring is not None:
         out.update({f"buffer/reward_{k}": float(v) for k, v in scoring.pool.counters().items()})
+        if scoring.reward_model is not None:
+            counts = scoring.reward_model.counters()
+            out.update({f"buffer/reward_model_{k}": float(v) for k, v in counts.items()})
     return out
 
 
@@ -161,7 +230,7 @@ class BufferServer:
             self._write_counters()
             self.metrics.close()
             if self.scoring is not None:
-                self.scoring.pool.close()
+                self.scoring.close()
             self.ctx.destroy(linger=0)
 
     def stop(self) -> None:

@@ -131,7 +131,7 @@ class ColocatedRollout:
                 self._record(self.engine.step())
             self.scoring.pump(self.buffer)
             if not busy and not leased:
-                if not self.scoring.pool.pending():
+                if not self.scoring.pending():
                     raise RuntimeError(
                         f"nothing to generate and no batch for step {step}: the buffer is at "
                         f"version {self.buffer.version} (was version {step} announced?)"
@@ -183,7 +183,7 @@ class ColocatedRollout:
         summary = {k.removeprefix("colocated/"): v for k, v in self.total.scalars().items()}
         (self.run_dir / "colocated_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         self.metrics.close()
-        self.scoring.pool.close()
+        self.scoring.close()
         self.engine.close()
 
     # ---- the engine ------------------------------------------------------------------

@@ -2,7 +2,9 @@
 
 Each non-blank line is a JSON object of one of three kinds, told apart by its keys:
 (prompt, answer) for scored problems, (prompt, completion[, answer]) for SFT, and
-(prompt, chosen, rejected) for reward models and DPO. Other keys are kept in
+(prompt, chosen, rejected[, answer]) for reward models and DPO (the answer, when
+present, is the reference the pair was graded against, as
+``asyncrl.stages.preference_data`` writes it). Other keys are kept in
 ``Example.meta``. A bad row stops loading with a ``DataError`` naming the file and the
 1-based line, so a broken dataset fails at the start of a run, not hours into it.
 """
@@ -34,8 +36,11 @@ ROW_KINDS = (
     frozenset({"prompt", "completion"}),
     frozenset({"prompt", "completion", "answer"}),
     frozenset({"prompt", "chosen", "rejected"}),
+    frozenset({"prompt", "chosen", "rejected", "answer"}),
 )
-_KINDS_TEXT = "(prompt, answer), (prompt, completion[, answer]) or (prompt, chosen, rejected)"
+_KINDS_TEXT = (
+    "(prompt, answer), (prompt, completion[, answer]) or (prompt, chosen, rejected[, answer])"
+)
 
 
 def load_jsonl(path: str | Path, split: Split = "train") -> list[Example]:
