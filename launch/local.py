@@ -9,19 +9,21 @@ experiment's processes (trainer ranks; for RL also the buffer and the generators
 with its own log under ``RUN_DIR/logs/``. Rank 0's output is also shown here. A generator
 that dies is restarted and rejoins; any other death stops the run with the tail of that
 process's log. The run ends when the trainer ranks finish; Ctrl-C stops everything.
-When ``model.path`` is missing and the experiment names an ``init_from_experiment``,
-that experiment runs first. ``launch/slurm.py`` runs the same files on a cluster.
+When an output the experiment starts from is missing (its ``prerequisites()``, e.g. the
+SFT policy), the experiment that makes it runs first. ``launch/slurm.py`` runs the same files on a cluster.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 
 from asyncrl.config import ConfigError, to_dict
 from asyncrl.launcher.prepare import Prepared, clear_rendezvous, prepare, stage_chain
-from asyncrl.launcher.supervise import Supervised, child_env, stop_all, supervise
+from asyncrl.launcher.supervise import Supervised, child_env, supervise
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -57,11 +59,14 @@ def run_stage(stage: Prepared) -> int:
     print(f"[launch] run directory: {stage.run_dir}", flush=True)
     clear_rendezvous(stage.run_dir)
     procs = local_processes(stage)
-    try:
-        code = supervise(procs)
-    except KeyboardInterrupt:
-        print("\n[launch] interrupted; stopping every process", file=sys.stderr)
-        stop_all(procs)
+    # SIGTERM (kill, a batch system) and SIGINT (Ctrl-C; also `kill -INT`, which a shell
+    # ignores for its background jobs unless handled) both stop every process of the run.
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    code = supervise(procs, stop=stop)
+    if stop.is_set():
+        print("\n[launch] interrupted; stopped every process", file=sys.stderr)
         return 130
     summary = stage.run_dir / "summary.json"
     if code == 0 and summary.exists():
@@ -83,9 +88,11 @@ def main(argv: list[str] | None = None) -> int:
         if before is not None:
             print(f"[launch] {before.run_dir} done; starting {cfg.name}", flush=True)
         elif len(chain) > 1:
-            # The starting checkpoint comes from another stage (e.g. SFT before RL): run it first.
+            # What the experiment starts from comes from other stages (e.g. SFT before RL).
+            names = ", ".join(c.name for c in chain[:-1])
             print(
-                f"[launch] {chain[-1].model.path} is missing: running {cfg.name} first", flush=True
+                f"[launch] {chain[-1].name} needs outputs of {names}: running them first",
+                flush=True,
             )
         code = run_stage(prepare(cfg))
         if code != 0:

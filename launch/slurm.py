@@ -17,8 +17,8 @@ through the endpoint files in it. A job spanning several nodes therefore talks T
 every interface (``transport.scheme=tcp transport.host=*``); a one-node job keeps the
 experiment's transport.
 
-A missing ``model.path`` with an ``init_from_experiment`` is handled on the cluster, not
-on this (login) machine: that experiment is submitted first, as a trainer-only job on
+Missing inputs (an experiment's ``prerequisites()``, e.g. the SFT policy) are made on the
+cluster, not on this (login) machine: the experiments that make them are submitted first, as a trainer-only job on
 the trainer nodes, and this job waits for it to succeed (``--dependency=afterok``).
 """
 
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         stage_opts = opts if cfg is chain[-1] else init_options(cfg, opts)
         if cfg is not chain[-1]:
             print(
-                f"[slurm] {chain[-1].model.path} is missing: {cfg.name} runs first, as its own job",
+                f"[slurm] an input of {chain[-1].name} is missing: {cfg.name} runs first, as its own job",
                 file=sys.stderr,
             )
         stage: Prepared = prepare(cfg, across_nodes if stage_opts.total_nodes > 1 else None)

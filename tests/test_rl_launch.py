@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.launcher.prepare import stage_chain
 from asyncrl.metrics import read_metrics
 from asyncrl.models import ModelConfig, load_model
 
@@ -142,3 +143,50 @@ def test_a_killed_generator_is_restarted_and_catches_up(tmp_path, tiny_model_dir
     counters = json.loads((run_dir / "buffer_counters.json").read_text())
     # The restarted generator received the republished weights and kept up with versions.
     assert counters["buffer/generator_version_min"] >= steps - 2
+
+
+def test_the_chain_runs_missing_stages_first_and_each_once(tmp_path, monkeypatch):
+    """tiny_chain needs the SFT policy and the reward model (which needs the SFT policy
+    too); the outputs are relative to the working directory, so an empty one needs all."""
+    monkeypatch.chdir(tmp_path)
+    chain_file = str(ROOT / "experiments" / "tiny_chain.py")
+    assert [c.name for c in stage_chain(chain_file, [])] == ["tiny_sft", "tiny_rm", "tiny_chain"]
+    Path("runs/models/tiny-sft").mkdir(parents=True)
+    assert [c.name for c in stage_chain(chain_file, [])] == ["tiny_rm", "tiny_chain"]
+    Path("runs/models/tiny-rm").mkdir(parents=True)
+    assert [c.name for c in stage_chain(chain_file, [])] == ["tiny_chain"]
+    # With the verifier as the reward, the reward model is no prerequisite.
+    assert [c.name for c in stage_chain(chain_file, ["reward.source=verifier"])] == ["tiny_chain"]
+
+
+def test_sigterm_to_the_launcher_stops_every_process(tmp_path, tiny_model_dir):
+    """A batch system (or ``kill``) ends a run with SIGTERM: the launcher stops the buffer,
+    the generator and the trainer too, instead of leaving them running."""
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable, "launch/local.py", "experiments/tiny_grpo.py", f"run_dir={run_dir}",
+        f"model.path={tiny_model_dir}", "rl.max_steps=100000", "eval.every_steps=0",
+        "task.train_size=200", "task.rl_split=train", "buffer.prompts_per_batch=2",
+        "buffer.samples_per_prompt=4", "engine.max_slots=8",
+    ]  # fmt: skip
+    launcher = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+    def running() -> list[str]:
+        found = subprocess.run(
+            ["pgrep", "-f", f"config {run_dir}/"], capture_output=True, text=True
+        )
+        return found.stdout.split()
+
+    try:
+        deadline = time.time() + 120
+        while len(running()) < 3 or not (run_dir / "metrics.jsonl").exists():
+            assert time.time() < deadline, "the run never started"
+            time.sleep(0.2)
+        launcher.send_signal(signal.SIGTERM)
+        out, _ = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 130, out[-3000:]
+    assert running() == []

@@ -1,7 +1,7 @@
 """What both launchers share (``launch/local.py`` and ``launch/slurm.py``).
 
 - ``prepare``: an experiment file plus overrides → the chain of stages to run (a stage
-  whose ``model.path`` is missing is preceded by its ``init_from_experiment``), each with
+  whose inputs are missing, its ``prerequisites()``, is preceded by the stages that make them), each with
   its resolved ``config.json`` saved in its run directory and its ``processes()`` list.
 - ``supervise``: starts command lines with a log each, restarts the restartable ones,
   reports a death with the tail of its log and stops everything when the trainer is done.

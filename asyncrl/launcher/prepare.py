@@ -3,8 +3,8 @@
 An experiment file builds ``config``; the overrides are applied, ``finalize()`` computes
 the derived values, and the result is saved as ``RUN_DIR/config.json``, which is all a
 process of the run reads. When the experiment starts from a checkpoint another stage
-writes (``init_from_experiment``, e.g. SFT before RL) and that checkpoint is missing, that
-stage comes first in the chain. ``launch/local.py`` runs the chain in order;
+writes (``prerequisites()``: e.g. SFT before RL, or SFT and the reward model before PPO on
+a learned reward) and that output is missing, that stage comes first in the chain. ``launch/local.py`` runs the chain in order;
 ``launch/slurm.py`` submits one job per stage, each depending on the one before.
 """
 
@@ -28,19 +28,25 @@ def resolve(experiment: str, overrides: list[str]) -> Any:
     return cfg
 
 
-def missing_init(cfg: Any) -> str:
-    """The experiment file to run first because ``cfg.model.path`` does not exist yet
-    (empty when nothing is missing)."""
-    first = getattr(cfg, "init_from_experiment", "")
-    return first if first and not Path(cfg.model.path).exists() else ""
+def missing_prerequisites(cfg: Any) -> list[str]:
+    """Experiment files to run first because an output ``cfg`` starts from (a policy, a
+    reward model) does not exist yet. An experiment lists them in ``prerequisites()`` as
+    (path, experiment file) pairs."""
+    needs = cfg.prerequisites() if hasattr(cfg, "prerequisites") else []
+    return [experiment for path, experiment in needs if experiment and not Path(path).exists()]
 
 
-def stage_chain(experiment: str, overrides: list[str]) -> list[Any]:
-    """The resolved configs to run in order: any missing initial stages (without
-    overrides, as their files define them), then the experiment itself."""
+def stage_chain(experiment: str, overrides: list[str], _seen: set[Path] | None = None) -> list[Any]:
+    """The resolved configs to run in order: the missing prerequisite stages, depth first
+    and each once (without overrides, as their files define them), then the experiment."""
+    seen = set() if _seen is None else _seen
     cfg = resolve(experiment, overrides)
-    first = missing_init(cfg)
-    return (stage_chain(first, []) if first else []) + [cfg]
+    chain: list[Any] = []
+    for first in missing_prerequisites(cfg):
+        if Path(first).resolve() not in seen:
+            seen.add(Path(first).resolve())
+            chain += stage_chain(first, [], seen)
+    return chain + [cfg]
 
 
 @dataclass

@@ -86,6 +86,9 @@ class RLExperiment:
     init_from_experiment: str = ""
     """Experiment file whose run writes ``model.path``; the launcher runs it first when
     that directory is missing (e.g. SFT before RL)."""
+    reward_model_experiment: str = ""
+    """Experiment file whose run writes ``reward.model_path`` (a reward-model stage); the
+    launcher runs it first when that directory is missing and the reward uses the model."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy to start from (generators load the same directory)."""
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -110,10 +113,22 @@ class RLExperiment:
             self.optim.total_steps = self.rl.max_steps
         if not self.rl.export_dir:
             self.rl.export_dir = str(Path(self.run_dir) / "hf")
+        try:
+            self.reward.check()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.placement == "colocated":
             if self.trainer.num_ranks != 1:
                 raise ConfigError("placement=colocated runs one process: set trainer.num_ranks=1")
             self.buffer.max_staleness = 0  # step i trains only on tokens of version i
+
+    def prerequisites(self) -> list[tuple[str, str]]:
+        """(path, experiment file that makes it): the starting policy, and the reward model
+        when the reward uses one. The launchers run the missing ones first."""
+        needs = [(self.model.path, self.init_from_experiment)]
+        if self.reward.source != "verifier":
+            needs.append((self.reward.model_path, self.reward_model_experiment))
+        return needs
 
     def processes(self, config_path: str) -> list[ProcessSpec]:
         """The buffer, the generators (restarted when they die) and the trainer ranks; only

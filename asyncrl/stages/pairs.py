@@ -1,0 +1,262 @@
+"""What the two preference stages share: the reward model (``stages/reward_model.py``)
+and DPO (``stages/dpo.py``) both train on (prompt, chosen, rejected) pairs.
+
+A stage's pairs come from JSONL files (``PreferenceDataConfig``); when they are missing,
+rank 0 makes them first by sampling the starting policy and pairing correct against
+incorrect completions by the task's verifier (``stages/preference_data.py``). Each pair
+becomes two ``TokenSequence`` (prompt + completion + EOS, targets on the completion),
+placed next to each other: a rank takes a token-balanced share of the pairs of a global
+batch, and ``make_micro_batches(group_size=2)`` keeps each pair in one micro-batch, so a
+pair's loss reads consecutive sequences (chosen at even, rejected at odd indices). Losses
+are normalized by the global pair count.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+from asyncrl.evaluation import EvalConfig
+from asyncrl.metrics import MetricsConfig
+from asyncrl.models import ModelConfig
+from asyncrl.stages.common import ProcessSpec, out_of_time, trainer_ranks
+from asyncrl.stages.preference_data import PreferenceDataConfig, make_preference_data
+from asyncrl.tasks import TaskConfig, stream_index
+from asyncrl.tasks.base import DataError
+from asyncrl.tasks.jsonl import load_jsonl
+from asyncrl.trainer.checkpoint import (
+    export_hf,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from asyncrl.trainer.config import OptimConfig, TrainerConfig
+from asyncrl.trainer.core import TrainerCore, barrier
+from asyncrl.trainer.dist import DistInfo, all_reduce_sum
+from asyncrl.trainer.packing import MicroBatch, TokenSequence, make_micro_batches, split_balanced
+
+PairLoss = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@dataclass
+class PairStageExperiment:
+    """Fields of both preference stages; each stage adds its own section and ``entry``."""
+
+    name: str = "pairs"
+    """Experiment name; names the default run directory."""
+    run_dir: str = ""
+    """Run directory (config, logs, metrics, checkpoints); empty means ``runs/NAME-TIME``."""
+    seed: int = 0
+    """Seed of everything random in the run, and of the pair order."""
+    time_limit_s: float = 0.0
+    """Stop after this many seconds of training (0: no limit); the run still exports."""
+    init_from_experiment: str = ""
+    """Experiment file whose output is ``model.path`` (e.g. SFT); the launchers run it
+    first when ``model.path`` does not exist."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Where training starts (the SFT policy), and the policy the pairs are sampled from."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """The task the pairs are made from and held-out accuracy is measured on."""
+    data: PreferenceDataConfig = field(default_factory=lambda: PreferenceDataConfig("", ""))
+    """The pair files, made from ``model.path`` on ``task`` when missing."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """``every_steps`` paces held-out evaluation of the pairs (and of the task, for DPO)."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    batch_size: int = 64
+    """Pairs per optimizer step, over all ranks."""
+    max_steps: int = 200
+    """Optimizer steps of the stage."""
+    export_dir: str = ""
+    """Where the final HF checkpoint goes; empty means ``RUN_DIR/hf``."""
+
+    def processes(self, config_path: str) -> list[ProcessSpec]:
+        """What the launcher starts: the trainer ranks."""
+        return trainer_ranks(self, config_path)
+
+    def prerequisites(self) -> list[tuple[str, str]]:
+        """(path, experiment file that makes it) pairs the launchers check before starting."""
+        return [(self.model.path, self.init_from_experiment)] if self.init_from_experiment else []
+
+    def finalize(self) -> None:
+        """Derived values, computed here and nowhere else."""
+        if not self.run_dir:
+            self.run_dir = f"runs/{self.name}-{datetime.now():%Y%m%d-%H%M%S}"
+        if not self.export_dir:
+            self.export_dir = str(Path(self.run_dir) / "hf")
+        if not self.data.train_path:
+            self.data.train_path = str(Path(self.run_dir) / "data" / "train.jsonl")
+        if not self.data.eval_path:
+            self.data.eval_path = str(Path(self.run_dir) / "data" / "eval.jsonl")
+        if self.optim.total_steps <= 0:
+            self.optim.total_steps = self.max_steps
+
+
+def ensure_pairs(cfg: PairStageExperiment, info: DistInfo) -> None:
+    """Make the pair files on rank 0 when either is missing (from the starting policy)."""
+    if info.is_main and not (
+        Path(cfg.data.train_path).exists() and Path(cfg.data.eval_path).exists()
+    ):
+        started = time.time()
+        counts = make_preference_data(cfg.model.path, cfg.task, cfg.data)
+        print(f"made preference pairs in {time.time() - started:.0f} s: {counts}", flush=True)
+    barrier()
+
+
+class PairData:
+    """The pairs of one JSONL file, tokenized: ``(chosen, rejected)`` ``TokenSequence`` each
+    prompt + completion + EOS with targets on the completion and EOS."""
+
+    def __init__(self, path: str, tokenizer, seed: int) -> None:
+        self.seed = seed
+        encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+        eos = tokenizer.eos_token_id
+        self.pairs: list[tuple[TokenSequence, TokenSequence]] = []
+        for row in load_jsonl(path):
+            if row.chosen is None or row.rejected is None:
+                line = row.uid.split(":")[1]
+                raise DataError(f"{path}:{line}: a preference row needs chosen and rejected")
+            prompt = encode(row.prompt)
+            if not prompt:
+                raise DataError(f"{path}:{row.uid.split(':')[1]}: empty prompt")
+            pair = []
+            for text in (row.chosen, row.rejected):
+                completion = encode(text) + [eos]
+                pair.append(
+                    TokenSequence(prompt + completion, [0] * len(prompt) + [1] * len(completion))
+                )
+            self.pairs.append((pair[0], pair[1]))
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def batch(self, position: int, size: int) -> list[int]:
+        """Pair indices at ``position`` of the endless, reshuffled-every-epoch stream."""
+        return [
+            stream_index(self.seed, p, len(self.pairs)) for p in range(position, position + size)
+        ]
+
+
+def my_pairs(indices: list[int], data: PairData, info: DistInfo) -> list[int]:
+    """This rank's token-balanced share of a global batch of pair indices."""
+    lengths = [len(data.pairs[i][0]) + len(data.pairs[i][1]) for i in indices]
+    return [indices[j] for j in split_balanced(lengths, info.world_size)[info.rank]]
+
+
+def pair_micro_batches(
+    pairs: list[tuple[TokenSequence, TokenSequence]], cfg: TrainerConfig, pad_id: int
+) -> list[MicroBatch]:
+    """Micro-batches in which every pair sits whole: chosen, then rejected."""
+    seqs = [s for pair in pairs for s in pair]
+    return make_micro_batches(
+        seqs, cfg.micro_batch_tokens, cfg.packing, pad_id, cfg.row_tokens, group_size=2
+    )
+
+
+def split_pairs(
+    values: torch.Tensor, mb: MicroBatch
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[S]`` per-sequence values as ``(chosen [P], rejected [P], anchor [])``. ``anchor``
+    is 0 with a path to every value, added to a loss so that a micro-batch with no pairs
+    (an alignment dummy) still backpropagates, as every FSDP rank must."""
+    n = len(mb.seq_lens) // 2 * 2
+    return values[0:n:2], values[1:n:2], 0.0 * values.sum()
+
+
+@torch.no_grad()
+def evaluate_pairs(
+    core: TrainerCore, micro_batches: list[MicroBatch], loss_fn: PairLoss, local_pairs: int
+) -> dict[str, float]:
+    """Loss and metrics of held-out pairs under the current weights, averaged over the
+    pairs of all ranks (each rank brings its share). Every rank must call it."""
+    core.model.eval()
+    sums: dict[str, float] = {}
+    for mb in core.align(micro_batches):
+        mb = mb.to(core.info.device)
+        loss, metrics = loss_fn(core.forward(mb), mb)
+        for k, v in {"loss": loss, **metrics}.items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+    core.model.train()
+    keys = sorted(sums)
+    total, *values = all_reduce_sum(
+        [float(local_pairs), *[sums[k] for k in keys]], core.info.device
+    )
+    out = {}
+    for k, v in zip(keys, values):
+        name = k.split("/", 1)[-1]
+        out[f"eval/pair_{name}"] = v / max(total, 1.0)
+    return out
+
+
+class PairStage:
+    """What a preference stage plugs into ``train_on_pairs``."""
+
+    def loss(
+        self, logits: torch.Tensor, mb: MicroBatch
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The pair loss of one micro-batch (a sum over its pairs) and metric sums."""
+        raise NotImplementedError
+
+    def with_fields(
+        self, split: str, indices: list[int]
+    ) -> list[tuple[TokenSequence, TokenSequence]]:
+        """The pairs ``indices`` of ``split`` with whatever per-token fields ``loss`` reads."""
+        raise NotImplementedError
+
+    def evaluate(self, core: TrainerCore) -> dict[str, float]:
+        """Held-out figures beyond the pair loss and metrics ({} for none)."""
+        return {}
+
+
+def train_on_pairs(cfg: PairStageExperiment, info: DistInfo, core: TrainerCore, stage: PairStage,
+                   data: PairData, held_out: PairData, log) -> dict:  # fmt: skip
+    """The loop of both preference stages: a global batch of pairs, my share, packed in
+    whole pairs, one step normalized by the global pair count; periodic held-out
+    evaluation, checkpoints, and the HF export at the end. Resumes from the newest
+    checkpoint in the run directory."""
+    pad_id = core.pad_id
+    eval_ids = my_pairs(list(range(len(held_out))), held_out, info)
+
+    def evaluate() -> dict[str, float]:
+        micro = pair_micro_batches(stage.with_fields("eval", eval_ids), cfg.trainer, pad_id)
+        return evaluate_pairs(core, micro, stage.loss, len(eval_ids)) | stage.evaluate(core)
+
+    ckpt_root = Path(cfg.run_dir) / "checkpoints"
+    position, scalars = 0, {}
+    resume_from = latest_checkpoint(ckpt_root) if cfg.trainer.resume else None
+    if resume_from is not None:
+        position = load_checkpoint(core, resume_from)["position"]
+        log.progress(core.step)
+    elif cfg.eval.every_steps:
+        scalars = evaluate()
+        log.log(0, scalars)
+    initial, start, stop = dict(scalars), time.time(), False
+    while core.step < cfg.max_steps and not stop:
+        mine = my_pairs(data.batch(position, cfg.batch_size), data, info)
+        position += cfg.batch_size
+        micro = pair_micro_batches(stage.with_fields("train", mine), cfg.trainer, pad_id)
+        stats = core.train_step(micro, stage.loss, local_normalizer=float(len(mine)))
+        scalars = {"train/loss": stats.loss, "train/grad_norm": stats.grad_norm, "train/lr": stats.lr,
+                   "train/tokens_per_s": stats.tokens / stats.seconds, **stats.metrics}  # fmt: skip
+        stop = out_of_time(start, cfg.time_limit_s, info)
+        last = core.step >= cfg.max_steps or stop
+        if cfg.eval.every_steps and (core.step % cfg.eval.every_steps == 0 or last):
+            scalars |= evaluate()
+        log.log(core.step, scalars)
+        log.progress(1, {"loss": f"{stats.loss:.3f}"})
+        every = cfg.trainer.checkpoint_every
+        if (every and core.step % every == 0) or last:
+            save_checkpoint(core, ckpt_root, {"position": position}, cfg.trainer.keep_checkpoints)
+    export_hf(core, cfg.export_dir)
+    final = {k: v for k, v in scalars.items() if k.startswith("eval/")}
+    summary = {"steps": core.step, "train_time_s": round(time.time() - start, 2),
+               "initial": {k: v for k, v in initial.items() if k.startswith("eval/")},
+               "final": final, "export_dir": cfg.export_dir}  # fmt: skip
+    log.write_summary(summary)
+    return summary
