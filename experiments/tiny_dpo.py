@@ -1,7 +1,7 @@
 """DPO on the tiny addition task: the tiny_sft policy trained on pairs of its own
 samples (correct against incorrect by the verifier; the same pairs as tiny_rm, made
 when missing) against itself as the frozen reference, with greedy held-out accuracy on
-the task as the figure. The launcher runs tiny_sft first when its checkpoint is missing.
+the task as the figure. The loss is DPO plus RPO's NLL term on the chosen completion. The launcher runs tiny_sft first when its checkpoint is missing.
 """
 
 from pathlib import Path
@@ -23,9 +23,13 @@ config = DPOExperiment(
     model=ModelConfig(path=sft.sft.export_dir),
     task=sft.task,
     data=rm.data,
-    loss=DPOLossConfig(beta=0.1),
+    # Measured from the 40.5% SFT start, 300 steps: plain DPO at lr 1e-4 fell to 22-35%
+    # (both completions' likelihoods fell while their gap grew), at 2e-5 it ended at 46.5%
+    # after swinging between 38% and 46.5%; with RPO's NLL term on the chosen completion
+    # (α = 1) at 5e-5 it rose steadily to 60.5%.
+    loss=DPOLossConfig(beta=0.1, nll_coef=1.0),
     trainer=TrainerConfig(num_ranks=1, threads_per_rank=2, micro_batch_tokens=4096),
-    optim=OptimConfig(lr=1e-4, warmup_steps=20, schedule="constant"),
+    optim=OptimConfig(lr=5e-5, warmup_steps=20, schedule="constant"),
     batch_size=64,
     max_steps=300,
     eval=EvalConfig(every_steps=25, num_examples=200, max_new_tokens=8),

@@ -60,6 +60,11 @@ def test_dpo_and_ipo_by_hand():
     assert ipo.item() == pytest.approx(sum((x - 1 / (2 * beta)) ** 2 for x in h), rel=1e-6)
     plain, _ = dpo_loss(pc, pr, rc, rr, DPOLossConfig(beta=beta))
     assert plain.item() == pytest.approx(sum(-logsig(beta * x) for x in h), rel=1e-6)
+    # RPO: plus α × the chosen completion's per-token NLL (3 and 2 chosen tokens).
+    rpo, _ = dpo_loss(
+        pc, pr, rc, rr, DPOLossConfig(beta=beta, nll_coef=0.5), torch.tensor([3.0, 2.0])
+    )
+    assert rpo.item() == pytest.approx(plain.item() + 0.5 * (3.0 / 3 + 5.0 / 2), rel=1e-6)
 
 
 def random_pairs(n: int, vocab: int, seed: int = 0) -> list[tuple[TokenSequence, TokenSequence]]:
@@ -207,7 +212,7 @@ def test_a_short_stage_run_through_the_launcher(stage, tiny_model_dir, tmp_path)
         "metrics.progress_bar=false", "task.train_size=200", "task.eval_size=20",
     ]  # fmt: skip
     if stage == "dpo":
-        overrides.append("reference=on_the_fly")
+        overrides += ["reference=on_the_fly", "loss.nll_coef=0"]  # plain DPO: log 2 at the start
     out = subprocess.run(
         [sys.executable, "launch/local.py", f"experiments/{experiment}", *overrides],
         cwd=ROOT, capture_output=True, text=True, timeout=300,

@@ -220,6 +220,9 @@ class DPOLossConfig:
     loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
     """``sigmoid`` (DPO) or ``ipo`` (the squared loss of IPO, which regresses the margin of
     log-ratios to 1/(2β) instead of pushing it without bound)."""
+    nll_coef: float = 0.0
+    """α of RPO: adds α × the chosen completion's per-token NLL. DPO alone can lower the
+    likelihood of both completions while widening their gap; this keeps the chosen one up."""
 
 
 def dpo_loss(
@@ -228,6 +231,7 @@ def dpo_loss(
     ref_chosen: torch.Tensor,
     ref_rejected: torch.Tensor,
     cfg: DPOLossConfig,
+    chosen_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DPO (or IPO) summed over pairs (the core divides by the pair count).
 
@@ -238,6 +242,8 @@ def dpo_loss(
         sigmoid: −(1 − ε)·log σ(β·h) − ε·log σ(−β·h)
         ipo:     (h − 1/(2β))²
 
+    plus ``nll_coef · (−π_c / chosen_tokens)`` when ``nll_coef`` > 0, where
+    ``chosen_tokens`` (``[P]``) counts each chosen completion's target tokens.
     Metric sums: the implicit rewards β·(π − ref) of chosen and rejected, their margin,
     and pairs whose chosen reward exceeds the rejected one.
     """
@@ -252,6 +258,10 @@ def dpo_loss(
         per_pair = -(1.0 - eps) * logsig(cfg.beta * h) - eps * logsig(-cfg.beta * h)
     else:
         raise ValueError(f"unknown DPO loss_type {cfg.loss_type!r}")
+    if cfg.nll_coef > 0:
+        if chosen_tokens is None:
+            raise ValueError("nll_coef needs the chosen completions' token counts")
+        per_pair = per_pair - cfg.nll_coef * policy_chosen.float() / chosen_tokens.clamp(min=1)
     with torch.no_grad():
         chosen_reward, rejected_reward = cfg.beta * chosen_ratio, cfg.beta * rejected_ratio
         metrics = {

@@ -113,7 +113,10 @@ class DPOStage(PairStage):
         reference = mb.sequence_sums(mb.fields["ref_logprobs"] * mb.loss_mask)
         chosen, rejected, anchor = split_pairs(policy, mb)
         ref_chosen, ref_rejected, _ = split_pairs(reference, mb)
-        loss_sum, metrics = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, self.cfg.loss)
+        chosen_tokens = split_pairs(mb.sequence_sums(mb.loss_mask), mb)[0]
+        loss_sum, metrics = dpo_loss(
+            chosen, rejected, ref_chosen, ref_rejected, self.cfg.loss, chosen_tokens
+        )
         return loss_sum + anchor, metrics
 
     def evaluate(self, core: TrainerCore) -> dict[str, float]:
