@@ -172,3 +172,24 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> PreTrain
 
 def model_config(path: str | Path) -> AutoConfig:
     return AutoConfig.from_pretrained(str(path))
+
+
+def forward_padded(
+    model: PreTrainedModel, sequences: list[list[int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logits [rows, T_max, V], input_ids [rows, T_max])`` of right-padded sequences
+    with an attention mask and position ids ``0 … len_i − 1``, so each row is computed
+    exactly as it would be alone (causal attention never reads the padding to its right).
+    The plain batched forward of the reward-model scorer and DPO's reference."""
+    device = next(model.parameters()).device
+    rows, longest = len(sequences), max(len(ids) for ids in sequences)
+    input_ids = torch.full((rows, longest), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((rows, longest), dtype=torch.long)
+    for i, ids in enumerate(sequences):
+        input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[i, : len(ids)] = 1
+    position_ids = torch.arange(longest).expand(rows, longest)
+    input_ids = input_ids.to(device)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask.to(device),
+                   position_ids=position_ids.to(device), use_cache=False).logits  # fmt: skip
+    return logits, input_ids

@@ -111,7 +111,7 @@ def test_dpo_against_itself_is_log_2_with_zero_margins(tiny_model_dir):
     model = load_model(ModelConfig(path=tiny_model_dir)).eval()
     vocab = model.config.vocab_size
     pairs = random_pairs(12, vocab, seed=3)
-    refs = reference_logprobs(model, [s for p in pairs for s in p], torch.device("cpu"), chunk=5)
+    refs = reference_logprobs(model, [s for p in pairs for s in p], chunk=5)
     with_ref = [
         (TokenSequence(c.input_ids, c.loss_mask, {"ref_logprobs": refs[2 * i]}),
          TokenSequence(r.input_ids, r.loss_mask, {"ref_logprobs": refs[2 * i + 1]}))

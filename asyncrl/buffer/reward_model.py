@@ -24,7 +24,7 @@ from collections.abc import Hashable
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from asyncrl.models import ModelConfig, load_model
+from asyncrl.models import ModelConfig, forward_padded, load_model
 
 log = logging.getLogger(__name__)
 
@@ -42,26 +42,13 @@ def completion_text(tokenizer: PreTrainedTokenizerBase, completion: list[int]) -
 def score_sequences(model: PreTrainedModel, sequences: list[list[int]], pad_id: int) -> list[float]:
     """The RM score of each sequence: ``logits[i, len_i - 1, 0]`` of a value-head model.
 
-    The batch is right-padded to ``[rows, T_max]`` with an attention mask and explicit
-    position ids ``0 … len_i - 1``, so each row sees itself exactly as it would alone:
-    causal attention never reads the padding to the right of a real token."""
+    One right-padded batch (``forward_padded``): each row is scored as it would be alone."""
     if not sequences:
         return []
     if any(not ids for ids in sequences):
         raise ValueError("cannot score an empty sequence")
-    device = next(model.parameters()).device
-    rows, longest = len(sequences), max(len(ids) for ids in sequences)
-    input_ids = torch.full((rows, longest), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((rows, longest), dtype=torch.long)
-    for i, ids in enumerate(sequences):
-        input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        attention_mask[i, : len(ids)] = 1
-    position_ids = torch.arange(longest).expand(rows, longest)
-    logits = model(
-        input_ids=input_ids.to(device),
-        attention_mask=attention_mask.to(device),
-        position_ids=position_ids.to(device),
-    ).logits  # [rows, T_max, 1]
+    logits, _ = forward_padded(model, sequences, pad_id)  # [rows, T_max, 1]
+    device, rows = logits.device, len(sequences)
     last = torch.tensor([len(ids) - 1 for ids in sequences], device=device)
     return logits[torch.arange(rows, device=device), last, 0].float().tolist()
 

@@ -18,16 +18,14 @@ from typing import ClassVar, Literal
 import torch
 
 from asyncrl.algorithms.losses import DPOLossConfig, dpo_loss
-from asyncrl.metrics import MetricsLogger
-from asyncrl.models import load_model, load_tokenizer
+from asyncrl.models import forward_padded, load_model
 from asyncrl.stages.common import stage_main
 from asyncrl.stages.pairs import (
     PairData,
     PairStage,
     PairStageExperiment,
-    ensure_pairs,
+    run_pair_stage,
     split_pairs,
-    train_on_pairs,
 )
 from asyncrl.stages.sft import Evaluator
 from asyncrl.tasks import build_task
@@ -54,23 +52,15 @@ class DPOExperiment(PairStageExperiment):
 
 @torch.no_grad()
 def reference_logprobs(
-    model: torch.nn.Module, seqs: list[TokenSequence], device: torch.device, chunk: int = 64
+    model: torch.nn.Module, seqs: list[TokenSequence], chunk: int = 64
 ) -> list[list[float]]:
     """Per-token logprobs (aligned with ``input_ids``, 0 at position 0) of each sequence
     under ``model``: right-padded chunks with an attention mask, in order."""
     out: list[list[float]] = []
     for start in range(0, len(seqs), chunk):
         part = seqs[start : start + chunk]
-        width = max(len(s) for s in part)
-        ids = torch.zeros(len(part), width, dtype=torch.long)
-        mask = torch.zeros(len(part), width, dtype=torch.long)
-        for i, s in enumerate(part):
-            ids[i, : len(s)] = torch.tensor(s.input_ids)
-            mask[i, : len(s)] = 1
-        positions = torch.arange(width).expand(len(part), width)
-        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device),
-                       position_ids=positions.to(device), use_cache=False).logits  # fmt: skip
-        logprobs = token_logprobs(logits, ids.to(device)).cpu()
+        logits, ids = forward_padded(model, [s.input_ids for s in part], pad_id=0)
+        logprobs = token_logprobs(logits, ids).cpu()
         out += [logprobs[i, : len(s)].tolist() for i, s in enumerate(part)]
     return out
 
@@ -92,7 +82,7 @@ class DPOStage(PairStage):
         self, pairs: list[tuple[TokenSequence, TokenSequence]]
     ) -> list[tuple[list[float], list[float]]]:
         assert self.reference is not None
-        flat = reference_logprobs(self.reference, [s for p in pairs for s in p], self.info.device)
+        flat = reference_logprobs(self.reference, [s for p in pairs for s in p])
         return list(zip(flat[0::2], flat[1::2]))
 
     def with_fields(
@@ -124,17 +114,9 @@ class DPOStage(PairStage):
 
 
 def run(cfg: DPOExperiment, info: DistInfo) -> dict:
-    ensure_pairs(cfg, info)
-    tokenizer = load_tokenizer(cfg.model.path)
-    core = TrainerCore(cfg.model, cfg.trainer, cfg.optim, info, tokenizer.pad_token_id)
-    data = PairData(cfg.data.train_path, tokenizer, cfg.seed)
-    held_out = PairData(cfg.data.eval_path, tokenizer, cfg.seed)
-    log = MetricsLogger(cfg.run_dir, "trainer", cfg.metrics, info.is_main, cfg.max_steps)
-    summary = train_on_pairs(
-        cfg, info, core, DPOStage(cfg, info, data, held_out), data, held_out, log
+    return run_pair_stage(
+        cfg, info, cfg.model, lambda data, held_out: DPOStage(cfg, info, data, held_out)
     )
-    log.close()
-    return summary
 
 
 def main(argv: list[str] | None = None) -> None:

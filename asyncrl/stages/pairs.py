@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from asyncrl.evaluation import EvalConfig
-from asyncrl.metrics import MetricsConfig
-from asyncrl.models import ModelConfig
+from asyncrl.metrics import MetricsConfig, MetricsLogger
+from asyncrl.models import ModelConfig, load_tokenizer
 from asyncrl.stages.common import ProcessSpec, out_of_time, trainer_ranks
 from asyncrl.stages.preference_data import PreferenceDataConfig, make_preference_data
 from asyncrl.tasks import TaskConfig, stream_index
@@ -214,8 +214,23 @@ class PairStage:
         return {}
 
 
+def run_pair_stage(cfg: PairStageExperiment, info: DistInfo, model: ModelConfig,
+                   make_stage: Callable[[PairData, PairData], PairStage]) -> dict:  # fmt: skip
+    """One trainer rank of a preference stage: make the pairs if missing, load them, build
+    the core on ``model`` and the stage on the (train, held-out) pairs, train."""
+    ensure_pairs(cfg, info)
+    tokenizer = load_tokenizer(cfg.model.path)
+    core = TrainerCore(model, cfg.trainer, cfg.optim, info, tokenizer.pad_token_id)
+    data = PairData(cfg.data.train_path, tokenizer, cfg.seed)
+    held_out = PairData(cfg.data.eval_path, tokenizer, cfg.seed)
+    log = MetricsLogger(cfg.run_dir, "trainer", cfg.metrics, info.is_main, cfg.max_steps)
+    summary = train_on_pairs(cfg, info, core, make_stage(data, held_out), data, held_out, log)
+    log.close()
+    return summary
+
+
 def train_on_pairs(cfg: PairStageExperiment, info: DistInfo, core: TrainerCore, stage: PairStage,
-                   data: PairData, held_out: PairData, log) -> dict:  # fmt: skip
+                   data: PairData, held_out: PairData, log: MetricsLogger) -> dict:  # fmt: skip
     """The loop of both preference stages: a global batch of pairs, my share, packed in
     whole pairs, one step normalized by the global pair count; periodic held-out
     evaluation, checkpoints, and the HF export at the end. Resumes from the newest

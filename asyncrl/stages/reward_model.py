@@ -17,18 +17,14 @@ from typing import ClassVar
 import torch
 
 from asyncrl.algorithms.losses import bradley_terry_loss
-from asyncrl.metrics import MetricsLogger
-from asyncrl.models import load_tokenizer
 from asyncrl.stages.common import stage_main
 from asyncrl.stages.pairs import (
     PairData,
     PairStage,
     PairStageExperiment,
-    ensure_pairs,
+    run_pair_stage,
     split_pairs,
-    train_on_pairs,
 )
-from asyncrl.trainer.core import TrainerCore
 from asyncrl.trainer.dist import DistInfo
 from asyncrl.trainer.packing import MicroBatch, TokenSequence
 
@@ -67,18 +63,10 @@ class RewardModelStage(PairStage):
 
 
 def run(cfg: RewardModelExperiment, info: DistInfo) -> dict:
-    ensure_pairs(cfg, info)
-    tokenizer = load_tokenizer(cfg.model.path)
-    core = TrainerCore(replace(cfg.model, head="value"), cfg.trainer, cfg.optim, info,
-                       tokenizer.pad_token_id)  # fmt: skip
-    data = PairData(cfg.data.train_path, tokenizer, cfg.seed)
-    held_out = PairData(cfg.data.eval_path, tokenizer, cfg.seed)
-    log = MetricsLogger(cfg.run_dir, "trainer", cfg.metrics, info.is_main, cfg.max_steps)
-    summary = train_on_pairs(
-        cfg, info, core, RewardModelStage(cfg, data, held_out), data, held_out, log
+    value_model = replace(cfg.model, head="value")  # the SFT backbone under a zero scalar head
+    return run_pair_stage(
+        cfg, info, value_model, lambda data, held_out: RewardModelStage(cfg, data, held_out)
     )
-    log.close()
-    return summary
 
 
 def main(argv: list[str] | None = None) -> None:
