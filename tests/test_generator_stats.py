@@ -1,19 +1,15 @@
 """A generator's self-measurement: idle fraction, tokens/s, step times split by whether a
 weight update was in flight, and each update's arrival-to-staged and arrival-to-flip
-times; plus ``tools/run_report.py`` over hand-made run files."""
+times; plus ``asyncrl.report`` (``tools/run_report.py``) over hand-made run files."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+from asyncrl import report as run_report
 from asyncrl.generator.stats import GeneratorStats, step_time_stats
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import run_report  # noqa: E402
 
 
 def test_step_time_stats():

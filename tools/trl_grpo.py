@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from asyncrl.evaluation import greedy_accuracy, make_eval_engine, tokenize_prompts  # noqa: E402
 from asyncrl.launcher.prepare import resolve  # noqa: E402
 from asyncrl.models import load_tokenizer  # noqa: E402
+from asyncrl.report import accuracy_at  # noqa: E402
 from asyncrl.tasks import build_task  # noqa: E402
 
 
@@ -41,12 +42,6 @@ def first_reaching(points: list[tuple[float, int, float]], target: float) -> dic
         if accuracy >= target - 1e-9:
             return {"s": round(seconds, 1), "step": step}
     return None
-
-
-def accuracy_at(points: list[tuple[float, int, float]], minute: float) -> float | None:
-    """The latest evaluation at or before ``minute`` minutes."""
-    before = [a for s, _, a in points if s <= minute * 60 + 1e-6]
-    return before[-1] if before else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         "trainer": "trl.GRPOTrainer", "experiment": args.experiment, "steps": steps, "wall_s": round(wall, 1),
         "steps_per_s": round(steps / wall, 3),
         "trained_samples_per_s": round(steps * per_step / wall, 1),
-        "accuracy_at_min": {str(m): accuracy_at(points, m) for m in (0, 2, 5, 10)},
+        "accuracy_at_min": accuracy_at([(t, a) for t, _, a in points], [0, 2, 5, 10]),
         "s_to_target": {str(t): first_reaching(points, t) for t in args.targets},
         "final_accuracy": points[-1][2],
     }  # fmt: skip
