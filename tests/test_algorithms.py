@@ -90,6 +90,14 @@ def test_kl_estimators_and_kl_in_loss():
     assert with_kl.item() == pytest.approx(0.1 * 0.5)
 
 
+def test_positive_nll_term_applies_to_positive_advantages_only():
+    logp = torch.tensor([[-0.5, -2.0, -1.0]])
+    adv, mask = torch.tensor([[1.0, -1.0, 0.0]]), torch.ones(1, 3)
+    plain, _ = ppo_loss(logp, logp, logp, adv, mask, PPOLossConfig())
+    with_nll, _ = ppo_loss(logp, logp, logp, adv, mask, PPOLossConfig(positive_nll_coef=0.3))
+    assert with_nll.item() == pytest.approx(plain.item() + 0.3 * 0.5)  # only the first token
+
+
 def test_grpo_and_dr_grpo_advantages():
     rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
     assert torch.allclose(

@@ -55,6 +55,10 @@ class PPOLossConfig:
     """Per-token estimator of KL(π ‖ π_ref) (Schulman's k1, k2, k3)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (subtracted from the loss); 0 is off."""
+    positive_nll_coef: float = 0.0
+    """α of an NLL term on the tokens of positive-advantage samples (α · −log π), as RPO
+    adds to DPO: it keeps the likelihood of good samples rising while negative
+    advantages push others down. 0 is off (plain PPO)."""
 
 
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -101,7 +105,7 @@ def ppo_loss(
 
         w = min(exp(prox − behav), iw_cap)       u = exp(logp − prox)
         pg = −w · min(u·A, clip(u, 1−ε_low, 1+ε_high)·A)    [dual clip: ≤ c·|A| when A < 0]
-        loss_sum = Σ mask · (pg + β·KL − c_ent·H)
+        loss_sum = Σ mask · (pg + β·KL − c_ent·H + α·[A > 0]·(−logp))
 
     The caller divides by the global number of loss tokens (token-level mean). With
     ``use_decoupled_loss=False`` the behavior logprobs play the proximal role and w = 1.
@@ -122,6 +126,8 @@ def ppo_loss(
         per_token = per_token + cfg.kl_coef * kl_estimate(logprobs, ref_logprobs, cfg.kl_estimator)
     if cfg.entropy_coef and entropy is not None:
         per_token = per_token - cfg.entropy_coef * entropy
+    if cfg.positive_nll_coef:
+        per_token = per_token - cfg.positive_nll_coef * (advantages > 0).float() * logprobs
     mask = loss_mask
     with torch.no_grad():
         was_clipped = (ratio * advantages > clipped * advantages).float()
