@@ -148,6 +148,14 @@ class WeightsAnnounce(Message):
     """One raw frame follows the header for each entry, in this order."""
 
 
+class WeightsOnDisk(Message):
+    """Weights ``version`` are the complete Hugging Face directory ``path`` (absolute), for
+    generators whose servers load weights from disk (``DiskWeightPublisher``)."""
+
+    version: int
+    path: str
+
+
 ANY_MESSAGE = (
     LeaseRequest
     | Lease
@@ -158,6 +166,7 @@ ANY_MESSAGE = (
     | Batch
     | VersionAnnounce
     | WeightsAnnounce
+    | WeightsOnDisk
 )
 
 ErrorKind = Literal["decode", "protocol", "run_id", "unexpected", "frames"]

@@ -3,9 +3,11 @@
 A generator (DESIGN §2) wraps one engine: it submits requests, calls ``step`` in a loop
 and streams the tokens it returns, aborts requests whose lease was withdrawn, and hands
 new weights to ``stage_weights`` as the trainer publishes them. Two implementations:
-the embedded torch engine (``asyncrl.engine.embedded``) and sglang (a later issue).
-Every generated token carries its behavior logprob and the policy version that produced
-it (DESIGN §4).
+the embedded torch engine (``asyncrl.engine.embedded``), and the remote engine
+(``asyncrl.engine.remote``), which drives sglang servers, or asyncrl's sglang-compatible
+front for the embedded engine, over HTTP and also takes weights as a directory on disk
+(``load_from_disk``). Every generated token carries its behavior logprob and the policy
+version that produced it (DESIGN §4).
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ import torch
 from asyncrl.engine.base import Finished, GeneratedToken, Request, StepOutput
 from asyncrl.engine.decoder import CachedDecoder, KVCache
 from asyncrl.engine.sampling import sample
+from asyncrl.engine.servers import RemoteEngineConfig
 from asyncrl.models import ModelConfig, load_model
 
 
@@ -49,6 +50,12 @@ class EngineConfig:
     """Where the engine runs; auto picks CUDA when available."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of weights and KV cache."""
+    backend: Literal["embedded", "remote"] = "embedded"
+    """Generators' engine: ``embedded`` (this one, in the generator process) or ``remote``
+    (HTTP servers speaking sglang's API, ``asyncrl.engine.remote``; configured by ``remote``;
+    ``max_seq_len`` and ``threads`` also apply to launched embedded servers)."""
+    remote: RemoteEngineConfig = field(default_factory=RemoteEngineConfig)
+    """The servers of the ``remote`` backend: launch or attach, weight updates."""
 
 
 @dataclass

@@ -5,7 +5,9 @@ engine request (prompt plus any prefix an earlier holder generated), steps the e
 and flushes each lease's new tokens as a ``Chunk`` every ``chunk_tokens`` tokens or
 ``chunk_ms`` milliseconds, whichever comes first. It sends heartbeats with its weights
 version, and a background thread receives weight updates from the trainer's PUB socket
-and hands them to the engine's staged flip, so decoding never waits for a transfer.
+and hands them to the engine's staged flip, so decoding never waits for a transfer. With
+``engine.backend="remote"`` the engine drives inference servers over HTTP
+(``asyncrl.engine.remote``) and the updates are directories on disk it has them load.
 It measures itself (``GeneratorStats``: tokens/s, idle fraction, step times during weight
 updates against steady ones) into ``RUN_DIR/metrics.jsonl`` and TensorBoard as process
 ``generator_<id>`` every ``metrics.interval_s``, and into ``generator_<id>_summary.json``
@@ -27,6 +29,7 @@ import zmq
 from asyncrl.config import load_json
 from asyncrl.engine.base import Engine, Request, SamplingParams, StepOutput
 from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.remote import generator_engine
 from asyncrl.generator.stats import GeneratorStats
 from asyncrl.metrics import MetricsLogger
 from asyncrl.rollout import RolloutConfig
@@ -38,6 +41,7 @@ from asyncrl.wire import (
     LeaseGrant,
     LeaseRequest,
     WeightsAnnounce,
+    WeightsOnDisk,
     WireDecoder,
     decode_tensors,
     encode,
@@ -80,7 +84,7 @@ class GeneratorWorker:
         self.dealer = make_socket(self.ctx, zmq.DEALER, t, identity=worker_id)
         self.dealer.connect(endpoints["leases"])
         self.decoder = WireDecoder(cfg.run_id)
-        self.weights_decoder = WireDecoder(cfg.run_id, expected=WeightsAnnounce)
+        self.weights_decoder = WireDecoder(cfg.run_id, expected=WeightsAnnounce | WeightsOnDisk)
         self.pending: dict[str, PendingLease] = {}
         self.asked = False  # a LeaseRequest is out and unanswered
         self.stop_event = threading.Event()
@@ -237,8 +241,11 @@ class GeneratorWorker:
                 self.stats.weights_dropped()  # a republish for a late joiner; we have it
                 continue
             try:
-                tensors = decode_tensors(announce, [f.buffer for f in frames[1:]])
-                self.engine.stage_weights(tensors, announce.version)
+                if isinstance(announce, WeightsOnDisk):  # remote engines: servers load it
+                    self.engine.load_from_disk(announce.path, announce.version)
+                else:
+                    tensors = decode_tensors(announce, [f.buffer for f in frames[1:]])
+                    self.engine.stage_weights(tensors, announce.version)
             except Exception as e:  # a bad update is counted and dropped, never fatal
                 decoder.count("frames", str(e))
                 self.stats.weights_dropped()
@@ -256,11 +263,18 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     cfg: RolloutConfig = load_json(args.config)
-    engine = EmbeddedEngine(args.model or cfg.model.path, cfg.engine)
-    worker = GeneratorWorker(cfg, args.worker_id, engine)
-    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
-    signal.signal(signal.SIGINT, lambda *_: worker.stop())
-    worker.run()
+    model = args.model or cfg.model.path
+    if cfg.engine.backend == "remote":
+        engine = generator_engine(cfg, model, args.worker_id)
+    else:
+        engine = EmbeddedEngine(model, cfg.engine)
+    try:
+        worker = GeneratorWorker(cfg, args.worker_id, engine)
+        signal.signal(signal.SIGTERM, lambda *_: worker.stop())
+        signal.signal(signal.SIGINT, lambda *_: worker.stop())
+        worker.run()
+    finally:
+        engine.close()  # a remote engine stops the servers it launched
 
 
 if __name__ == "__main__":

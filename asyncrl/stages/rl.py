@@ -4,7 +4,9 @@ Each rank asks the buffer for its share of step i's batch (whole groups, stalene
 checked), turns group rewards into advantages, recomputes proximal logprobs with the
 weights at the start of the step, takes one decoupled-PPO step on the FSDP2 core, and
 rank 0 publishes the new weights as version i+1 (raw ZeroMQ frames to every generator)
-and announces the version to the buffer. The buffer and generator processes are started
+and announces the version to the buffer (``engine.backend="remote"``: as a versioned HF
+directory the generators' servers load, or over NCCL; ``asyncrl.trainer.publish``). The
+buffer and generator processes are started
 by the launcher from ``rollout()``; ``max_staleness=0`` is the synchronous baseline
 through this same code. ``placement="colocated"`` runs this same step with generation
 inside the trainer process, between steps (``asyncrl.stages.colocated``). With
@@ -46,7 +48,7 @@ from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import TrainerCore
 from asyncrl.trainer.dist import DistInfo
 from asyncrl.trainer.packing import make_micro_batches
-from asyncrl.trainer.publish import WeightPublisher
+from asyncrl.trainer.publish import weight_publisher
 from asyncrl.transport import TransportConfig
 
 
@@ -120,7 +122,29 @@ class RLExperiment:
         if self.placement == "colocated":
             if self.trainer.num_ranks != 1:
                 raise ConfigError("placement=colocated runs one process: set trainer.num_ranks=1")
+            if self.engine.backend != "embedded":
+                raise ConfigError("placement=colocated runs the embedded engine in the trainer "
+                                  "process: set engine.backend=embedded or placement=async")  # fmt: skip
             self.buffer.max_staleness = 0  # step i trains only on tokens of version i
+        if self.engine.backend == "remote":
+            self.check_remote()
+
+    def check_remote(self) -> None:
+        """The remote engine's settings, and what NCCL weight updates need."""
+        remote = self.engine.remote
+        try:
+            remote.check()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if remote.weight_update != "nccl":
+            return
+        # The trainer also refuses at start when it finds no CUDA device (device=auto).
+        if self.trainer.device == "cpu":
+            raise ConfigError("engine.remote.weight_update=nccl broadcasts from the trainer's GPU, "
+                              "and trainer.device=cpu: use engine.remote.weight_update=disk")  # fmt: skip
+        if remote.urls and self.num_generators > 1:
+            raise ConfigError("engine.remote.weight_update=nccl with engine.remote.urls: every "
+                              "generator would attach to the same servers; use num_generators=1")  # fmt: skip
 
     def prerequisites(self) -> list[tuple[str, str]]:
         """(path, experiment file that makes it): the starting policy, and the reward model
@@ -165,7 +189,7 @@ def run(cfg: RLExperiment, info: DistInfo) -> dict:
     if cfg.placement == "colocated":  # one in-process object stands in for buffer and generators
         publisher = client = ColocatedRollout(cfg, info)
     else:
-        publisher = WeightPublisher(cfg) if info.is_main else None
+        publisher = weight_publisher(cfg) if info.is_main else None
         client = BufferClient(cfg.run_dir, cfg.run_id, info.rank, cfg.transport)
     log = MetricsLogger(cfg.run_dir, "trainer", cfg.metrics, info.is_main, cfg.rl.max_steps)
     ckpt_root = Path(cfg.run_dir) / "checkpoints"

@@ -1,27 +1,72 @@
-"""Weight publication from trainer rank 0 to the generators (DESIGN §5): the full state,
-gathered to rank 0, sent as raw ZeroMQ frames on a PUB socket, one message per version.
-Another transport (a versioned HF directory on disk, NCCL broadcast) is another class
-with the same two methods, ``publish`` and ``republish``."""
+"""Weight publication from trainer rank 0 to the generators (DESIGN §5). Three transports
+with the same three methods (``publish``, ``republish``, ``close``); ``weight_publisher``
+picks one from the config:
+
+- ``WeightPublisher`` (embedded engines): the full state, gathered to rank 0, sent as raw
+  ZeroMQ frames on a PUB socket, one message per version; each generator stages them
+  into its engine's idle copy.
+- ``DiskWeightPublisher`` (remote engines, ``engine.remote.weight_update="disk"``, the
+  default): rank 0 writes ``RUN_DIR/weights/vN/``, a Hugging Face directory, and announces
+  version and path (``WeightsOnDisk``) on the same PUB socket; each generator has its
+  servers load it with ``/update_weights_from_disk``. The default because it works with
+  any server (sglang or asyncrl's front) on any placement, with no process group tying
+  the trainer to the servers: a restarted generator or server just loads the newest
+  directory.
+- ``NcclWeightPublisher`` (``weight_update="nccl"``, GPU and sglang only): rank 0 joins an
+  NCCL group with every sglang server and broadcasts the tensors into their GPUs
+  (``/init_weights_update_group``, ``/update_weights_from_distributed``): no disk round
+  trip, the faster path for large models on GPUs. Not exercised by the CPU test suite.
+"""
 
 from __future__ import annotations
 
+import inspect
+import json
+import logging
+import re
+import shutil
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
 
 import torch
 import zmq
 
-from asyncrl.transport import bind, make_socket, write_endpoints
-from asyncrl.wire import encode_tensors
+from asyncrl.engine.servers import free_port, write_weights_dir
+from asyncrl.transport import advertised_host, bind, make_socket, read_endpoints, write_endpoints
+from asyncrl.wire import WeightsOnDisk, encode, encode_tensors
+
+log = logging.getLogger(__name__)
+
+KEEP_VERSIONS = 2
+"""Weight directories kept on disk; older ones are deleted after each publish."""
+
+
+def weight_publisher(cfg):
+    """The publisher for the generators' engine (``cfg`` is an ``RLExperiment``)."""
+    if cfg.engine.backend == "embedded":
+        return WeightPublisher(cfg)
+    if cfg.engine.remote.weight_update == "nccl":
+        return NcclWeightPublisher(cfg)
+    return DiskWeightPublisher(cfg)
+
+
+def _pub_socket(cfg) -> tuple[zmq.Context, zmq.Socket]:
+    """Rank 0's PUB socket, its endpoint written where generators find it."""
+    ctx = zmq.Context()
+    sock = make_socket(ctx, zmq.PUB, cfg.transport)
+    endpoint = bind(sock, cfg.transport, cfg.run_dir, "trainer-weights")
+    write_endpoints(cfg.run_dir, "trainer", {"weights": endpoint})
+    return ctx, sock
 
 
 class WeightPublisher:
     """Rank 0's PUB socket: every generator receives each published version."""
 
     def __init__(self, cfg) -> None:
-        self.ctx = zmq.Context()
-        self.sock = make_socket(self.ctx, zmq.PUB, cfg.transport)
-        endpoint = bind(self.sock, cfg.transport, cfg.run_dir, "trainer-weights")
-        write_endpoints(cfg.run_dir, "trainer", {"weights": endpoint})
+        self.ctx, self.sock = _pub_socket(cfg)
         self.run_id = cfg.run_id
         self.last: tuple[int, dict[str, torch.Tensor]] | None = None
 
@@ -39,3 +84,191 @@ class WeightPublisher:
 
     def close(self) -> None:
         self.ctx.destroy(linger=1000)
+
+
+class DiskWeightPublisher:
+    """Rank 0 writes each version as ``RUN_DIR/weights/vN/`` (atomically renamed into
+    place, the newest ``KEEP_VERSIONS`` kept) and announces it to every generator."""
+
+    def __init__(self, cfg, keep: int = KEEP_VERSIONS) -> None:
+        self.ctx, self.sock = _pub_socket(cfg)
+        self.run_id, self.model_path, self.keep = cfg.run_id, cfg.model.path, keep
+        self.root = (Path(cfg.run_dir) / "weights").resolve()
+        self.last: WeightsOnDisk | None = None
+
+    def publish(self, version: int, state: dict[str, torch.Tensor]) -> float:
+        start = time.perf_counter()
+        path = write_weights_dir(state, self.model_path, self.root / f"v{version}")
+        self.prune()
+        self.last = WeightsOnDisk(run_id=self.run_id, version=version, path=str(path))
+        self.sock.send(encode(self.last))
+        return time.perf_counter() - start
+
+    def republish(self) -> None:
+        """Announce the last version again (for generators that joined since)."""
+        if self.last is not None:
+            self.sock.send(encode(self.last))
+
+    def prune(self) -> None:
+        """Delete all but the newest ``keep`` version directories. A generator still
+        loading a deleted one fails that update and loads the next announced one."""
+        versions = sorted(int(m[1]) for p in self.root.iterdir()
+                          if (m := re.fullmatch(r"v(\d+)", p.name)))  # fmt: skip
+        for v in versions[: -self.keep]:
+            shutil.rmtree(self.root / f"v{v}", ignore_errors=True)
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=1000)
+
+
+class NcclWeightPublisher:
+    """Rank 0 broadcasts each version into every sglang server over NCCL (GPU only).
+
+    The servers are those the generators launched or attached to; each generator writes
+    their URLs to ``RUN_DIR/endpoints/servers-gI.json``. Rank 0 is rank 0 of a process
+    group of its own with the servers' GPUs (server i's tensor-parallel ranks are
+    ``1 + i*tp_size …``); a generator restarted with new servers makes the next publish
+    form a new group. Per version: ``/pause_generation`` on every server (requests in
+    flight end with ``abort``, and their generators resend them), then per bucket of
+    tensors one ``/update_weights_from_distributed`` call per server (names, dtypes,
+    shapes, group name; the last with ``weight_version``) while rank 0 broadcasts the
+    bucket's tensors in that order, then ``/continue_generation``.
+    """
+
+    def __init__(self, cfg) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "engine.remote.weight_update=nccl broadcasts from the trainer's GPU into the "
+                "sglang servers' GPUs, and this trainer has no CUDA device; use "
+                "engine.remote.weight_update=disk"
+            )
+        self.cfg, self.remote = cfg, cfg.engine.remote
+        self.bucket_bytes = self.remote.nccl_bucket_mb << 20
+        self.timeout_s = self.remote.request_timeout_s
+        self.urls: list[str] = []
+        self.group = None
+        self.groups_made = 0
+        self.last: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    def publish(self, version: int, state: dict[str, torch.Tensor]) -> float:
+        start = time.perf_counter()
+        urls = self._server_urls()
+        if urls != self.urls:
+            self._join(urls)
+        self._post_all("/pause_generation", {"mode": "abort"})
+        try:
+            buckets = self._buckets(state)
+            for i, bucket in enumerate(buckets):
+                self._send_bucket(bucket, version if i == len(buckets) - 1 else None)
+        finally:
+            self._post_all("/continue_generation", {})
+        self.last = (version, state)
+        return time.perf_counter() - start
+
+    def republish(self) -> None:
+        """Broadcast the last version again: a restarted generator's servers start from
+        ``model.path`` and join a new group on the way."""
+        if self.last is not None:
+            self.publish(*self.last)
+
+    def close(self) -> None:
+        if self.group is not None:
+            torch.distributed.destroy_process_group(self.group)
+
+    # ---- internals -----------------------------------------------------------------
+    def _server_urls(self) -> list[str]:
+        urls = []
+        for i in range(self.cfg.num_generators):
+            found = read_endpoints(self.cfg.run_dir, f"servers-g{i}", self.remote.startup_timeout_s)
+            if found is None:
+                raise TimeoutError(f"generator g{i} never wrote its server URLs")
+            urls += [found[k] for k in sorted(found, key=int)]
+        return urls
+
+    def _join(self, urls: list[str]) -> None:
+        """Form a new NCCL group of rank 0 and every server's GPUs."""
+        if self.group is not None:
+            old = f"asyncrl_weights_{self.groups_made - 1}"
+            self._post_all("/destroy_weights_update_group", {"group_name": old}, urls=self.urls,
+                           check=False)  # fmt: skip
+            torch.distributed.destroy_process_group(self.group)
+        tp = self.remote.tp_size
+        name, world = f"asyncrl_weights_{self.groups_made}", 1 + len(urls) * tp
+        address, port = advertised_host(self.cfg.transport.host), free_port()
+        with ThreadPoolExecutor(len(urls)) as pool:
+            # Each server's call returns only once the group is formed: rank 0 joins meanwhile.
+            calls = [pool.submit(_post, url, "/init_weights_update_group", {
+                "master_address": address, "master_port": port, "rank_offset": 1 + i * tp,
+                "world_size": world, "group_name": name, "backend": "nccl"}, self.timeout_s)
+                for i, url in enumerate(urls)]  # fmt: skip
+            self.group = _rank0_group(f"tcp://{address}:{port}", world, name, self.timeout_s)
+            for call in calls:
+                call.result()
+        self.urls, self.groups_made, self.group_name = urls, self.groups_made + 1, name
+
+    def _buckets(self, state: dict[str, torch.Tensor]) -> list[list[tuple[str, torch.Tensor]]]:
+        buckets, size = [[]], 0
+        for name, tensor in state.items():
+            if buckets[-1] and size + tensor.nbytes > self.bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append((name, tensor))
+            size += tensor.nbytes
+        return buckets
+
+    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: int | None) -> None:
+        payload = {"names": [n for n, _ in bucket],
+                   "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+                   "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
+                   "flush_cache": version is not None}  # fmt: skip
+        if version is not None:
+            payload["weight_version"] = str(version)
+        with ThreadPoolExecutor(len(self.urls)) as pool:
+            # The servers receive in the order of ``names`` while rank 0 sends.
+            calls = [pool.submit(_post, url, "/update_weights_from_distributed", payload, self.timeout_s)
+                     for url in self.urls]  # fmt: skip
+            for _, tensor in bucket:
+                torch.distributed.broadcast(tensor.cuda().contiguous(), src=0, group=self.group)
+            torch.cuda.synchronize()
+            for call in calls:
+                call.result()
+
+    def _post_all(self, path: str, payload: dict, urls: list[str] | None = None,
+                  check: bool = True) -> None:  # fmt: skip
+        for url in urls if urls is not None else self.urls:
+            try:
+                _post(url, path, payload, self.timeout_s)
+            except (OSError, RuntimeError):
+                if check:
+                    raise
+
+
+def _post(url: str, path: str, payload: dict, timeout_s: float) -> dict:
+    """POST JSON; the answer, or RuntimeError when the server reports failure."""
+    request = urllib.request.Request(f"{url}{path}", data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+        text = resp.read().decode()
+    body = json.loads(text) if text.strip().startswith("{") else {}
+    if body.get("success") is False:
+        raise RuntimeError(f"{url}{path}: {body.get('message')}")
+    return body
+
+
+def _rank0_group(init_method: str, world_size: int, name: str, timeout_s: float):
+    """Rank 0 of a new NCCL process group beside the trainer's own (torch's private
+    helper: ``init_process_group`` allows one default group per process). sglang's servers
+    build theirs the same way: a TCP store at ``init_method``, prefixed by the group name."""
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = timedelta(seconds=timeout_s)
+    store, _, _ = next(c10d.rendezvous(init_method, 0, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    params = inspect.signature(c10d._new_process_group_helper).parameters
+    options = "backend_options" if "backend_options" in params else "pg_options"
+    group, _ = c10d._new_process_group_helper(
+        world_size, 0, [], c10d.Backend("nccl"), c10d.PrefixStore(name, store),
+        group_name=name, timeout=timeout, **{options: None},
+    )  # fmt: skip
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group

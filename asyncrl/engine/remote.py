@@ -1,0 +1,397 @@
+"""The remote engine: the ``Engine`` interface over sglang's HTTP API (DESIGN §8).
+
+A generator with ``engine.backend="remote"`` drives one or more inference servers (sglang,
+or asyncrl's sglang-compatible front for the embedded engine) that it launches or
+attaches to (``asyncrl.engine.servers``). Its decode loop is unchanged: ``submit``,
+``step``, ``abort``, new weights, ``stats``.
+
+- **Requests.** Each request is one streaming ``POST /generate`` (``input_ids``,
+  ``sampling_params``, ``return_logprob``, ``stream``, ``rid``) to the server with the
+  fewest requests in flight (at most ``max_inflight`` each; the rest wait here). A
+  background thread runs an asyncio loop with an aiohttp session; ``step`` returns the
+  tokens that arrived since the previous call, waiting up to ``STEP_WAIT_S`` when none
+  has, so the generator's loop does not spin.
+- **Tokens, logprobs, versions** (``asyncrl.engine.sglang_api``). Each token comes with
+  its logprob (``log_softmax(logits / T)``, as the embedded engine's) and its version:
+  ``meta_info.output_token_versions[i]`` when the server reports it (asyncrl's front
+  does); sglang does not, and then it is ``meta_info.weight_version`` of the response
+  chunk that first carried the token. That is exact here, because a weight update first
+  interrupts every request on the server (below), so no chunk mixes two versions.
+- **Weights.** ``load_from_disk(path, version)`` (the ``DiskWeightPublisher``'s
+  announcements) updates the servers one after another, so the others keep generating:
+  ``/pause_generation`` (mode ``abort``), ``/update_weights_from_disk`` {``model_path``,
+  ``weight_version``}, ``/continue_generation``. A server's version advances only when it
+  confirms; the engine's version (``engine/version``) is the oldest of its servers'.
+  ``stage_weights`` (raw tensors) writes such a directory first. With NCCL updates the
+  trainer pauses, broadcasts and continues the servers itself; the engine follows the
+  versions the responses report.
+- **Interruption and resumption** (AReaL's interruptible generation, on sglang). A pause
+  ends every request on the server with finish reason ``abort``; a request the caller
+  did not abort is sent again as prompt + the tokens generated so far, with
+  ``max_new_tokens`` reduced by their number, and the caller sees one uninterrupted
+  request. The server re-prefills that prefix under the new weights (its cache was
+  flushed with the update), so later tokens are sampled from, and carry, the new
+  version, while every earlier token keeps the version and behavior logprob it was
+  sampled with. That is all the decoupled loss needs (DESIGN §6): it corrects each token
+  by its own behavior logprob, whichever policy produced it.
+
+Differences from the embedded engine: a request's ``seed`` is not sent, and
+``max_new_tokens`` is capped so that prompt + completion fit ``max_seq_len``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import tempfile
+import threading
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import torch
+
+from asyncrl.engine import sglang_api as api
+from asyncrl.engine.base import Finished, GeneratedToken, Request, StepOutput
+from asyncrl.engine.embedded import EngineConfig
+from asyncrl.engine.remote_weights import ServerUpdates
+from asyncrl.engine.servers import (
+    Server,
+    launch_servers,
+    log_tail,
+    stop_servers,
+    wait_healthy,
+    write_weights_dir,
+)
+from asyncrl.models import model_config
+from asyncrl.transport import write_endpoints
+
+log = logging.getLogger(__name__)
+
+STEP_WAIT_S = 0.05
+"""``step`` waits this long for a token before returning an empty step."""
+MAX_FRUITLESS_RESENDS = 20
+"""A request interrupted this many times in a row without a new token is given up (abort)."""
+
+
+@dataclass
+class _Seq:
+    request: Request
+    tokens: list[int] = field(default_factory=list)
+    """Tokens generated so far, over every attempt."""
+    attempt: int = 0
+    fruitless: int = 0
+    """Attempts in a row that ended without a new token."""
+    server: _ServerState | None = None
+    aborted: bool = False
+    """The caller aborted it: report ``abort``, never resend."""
+
+    @property
+    def rid(self) -> str:
+        """The server's request id of this attempt (unique while an aborted one drains)."""
+        rid = self.request.request_id
+        return rid if self.attempt == 0 else f"{rid}#{self.attempt}"
+
+
+@dataclass
+class _ServerState:
+    server: Server
+    version: int
+    inflight: int = 0
+    updating: bool = False
+
+
+@dataclass
+class _Counters:
+    tokens: int = 0
+    finished: int = 0
+    aborted: int = 0
+    resent: int = 0
+    resent_tokens: int = 0
+    weight_updates: int = 0
+    weight_update_failures: int = 0
+    last_update_s: float = 0.0
+
+
+class RemoteEngine(ServerUpdates):
+    def __init__(
+        self, model_path: str, cfg: EngineConfig, version: int = 0, log_dir: str | Path = "",
+        name: str = "engine",
+    ) -> None:  # fmt: skip
+        self.cfg, self.remote = cfg, cfg.remote
+        self.remote.check()
+        self.model_path = model_path
+        config = model_config(model_path)
+        self.max_seq_len = cfg.max_seq_len or config.max_position_embeddings
+        self.eos_ids = api.eos_ids(model_path, config)
+        self.version = version
+        self.staged_version = -1
+        self.counters = _Counters()
+        self._lock = threading.Lock()  # guards the queues below and the outputs
+        self._queued: deque[_Seq] = deque()
+        self._running: dict[str, _Seq] = {}
+        self._tokens: list[GeneratedToken] = []
+        self._finished: list[Finished] = []
+        self._arrived = threading.Condition(self._lock)
+        self._failure: str | None = None
+        self._target: tuple[str, int] | None = None  # newest weights offered
+        self._updater: asyncio.Task | None = None
+        self._staging = Path(tempfile.mkdtemp(prefix="asyncrl-staged-"))
+        if self.remote.urls:
+            servers = [Server(url.rstrip("/")) for url in self.remote.urls]
+        else:
+            log_dir = Path(log_dir) if log_dir else self._staging / "logs"
+            servers = launch_servers(self.remote, model_path, log_dir, name, version,
+                                     cfg.max_seq_len, cfg.threads)  # fmt: skip
+        self.servers = [_ServerState(s, version) for s in servers]
+        try:
+            wait_healthy(servers, self.remote.startup_timeout_s)
+        except BaseException:
+            stop_servers(servers)
+            raise
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="remote-engine", daemon=True)  # fmt: skip
+        self._thread.start()
+        self._session: aiohttp.ClientSession = self._call(self._open_session())
+        if self.remote.urls:  # attached: start from the versions the servers report
+            for state in self.servers:
+                info = self._call(self._get(state, "/get_model_info"))
+                state.version = api.as_version(info.get("weight_version"), version)
+            self.version = min(s.version for s in self.servers)
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.server.url for s in self.servers]
+
+    # ---- the interface -------------------------------------------------------------
+    def submit(self, request: Request) -> None:
+        if not request.prompt_ids:
+            raise ValueError(f"request {request.request_id!r}: empty prompt")
+        if len(request.prompt_ids) >= self.max_seq_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt of {len(request.prompt_ids)} tokens does "
+                f"not fit max_seq_len={self.max_seq_len}"
+            )
+        with self._lock:
+            rid = request.request_id
+            if rid in self._running or any(s.request.request_id == rid for s in self._queued):
+                raise ValueError(f"request {rid!r} is already queued or running")
+            self._queued.append(_Seq(request))
+        self._loop.call_soon_threadsafe(self._dispatch)
+
+    def step(self) -> StepOutput:
+        with self._arrived:
+            if not (self._tokens or self._finished or self._failure):
+                self._arrived.wait(STEP_WAIT_S)
+            if self._failure:
+                raise RuntimeError(self._failure)
+            tokens, self._tokens = self._tokens, []
+            finished, self._finished = self._finished, []
+        return StepOutput(tokens=tokens, finished=finished, version=self.version)
+
+    def abort(self, request_id: str) -> None:
+        self._loop.call_soon_threadsafe(self._abort, request_id)
+
+    def stage_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Write the tensors as an HF directory, then ``load_from_disk`` it (the caller's
+        thread writes; decoding goes on meanwhile)."""
+        path = write_weights_dir(state_dict, self.model_path, self._staging / f"v{version}")
+        for old in self._staging.glob("v*"):  # keep this version and the one before
+            if old.name[1:].isdigit() and int(old.name[1:]) < version - 1:
+                shutil.rmtree(old, ignore_errors=True)
+        self.load_from_disk(str(path), version)
+
+    def load_from_disk(self, path: str, version: int) -> None:
+        """Load the HF directory ``path`` as weights ``version`` into every server, one
+        server at a time; returns at once. Older offers than the newest are skipped."""
+        with self._lock:
+            if version <= max(self.version, self._target[1] if self._target else -1):
+                return
+            self._target = (path, version)
+            self.staged_version = version
+        self._loop.call_soon_threadsafe(self._start_updater)
+
+    def stats(self) -> dict[str, float]:
+        c = self.counters
+        with self._lock:
+            running, waiting = len(self._running), len(self._queued)
+        return {
+            "engine/running": running,
+            "engine/waiting": waiting,
+            "engine/free_slots": len(self.servers) * self.remote.max_inflight - running,
+            "engine/version": self.version,
+            "engine/staged_version": self.staged_version,
+            "engine/servers": len(self.servers),
+            "engine/tokens": c.tokens,
+            "engine/finished": c.finished,
+            "engine/aborted": c.aborted,
+            # Requests sent again after an interruption, and the tokens re-prefilled for them.
+            "engine/resent": c.resent,
+            "engine/resent_tokens": c.resent_tokens,
+            "engine/weight_updates": c.weight_updates,
+            "engine/weight_update_failures": c.weight_update_failures,
+            "engine/last_update_s": c.last_update_s,
+        }
+
+    def close(self) -> None:
+        if self._loop.is_running():
+            try:
+                self._call(self._shutdown())
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(timeout=5)
+        stop_servers([s.server for s in self.servers])
+        shutil.rmtree(self._staging, ignore_errors=True)
+
+    # ---- the loop thread: requests -------------------------------------------------
+    def _call(self, coro):
+        """Run ``coro`` on the loop thread and wait for its result (setup and close only)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    async def _shutdown(self) -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._session.close()
+
+    async def _open_session(self) -> aiohttp.ClientSession:
+        t = self.remote.request_timeout_s
+        timeout = aiohttp.ClientTimeout(total=None, connect=t, sock_read=t)
+        # Cumulative stream lines grow with the completion: allow long ones.
+        return aiohttp.ClientSession(timeout=timeout, read_bufsize=1 << 22)
+
+    def _dispatch(self) -> None:
+        """Send queued requests to the least busy servers that are not being updated."""
+        with self._lock:
+            while self._queued:
+                open_ = [
+                    s
+                    for s in self.servers
+                    if not s.updating and s.inflight < self.remote.max_inflight
+                ]
+                if not open_:
+                    return
+                server = min(open_, key=lambda s: s.inflight)
+                seq = self._queued.popleft()
+                seq.server, server.inflight = server, server.inflight + 1
+                self._running[seq.request.request_id] = seq
+                self._loop.create_task(self._attempt(seq))
+
+    def _abort(self, request_id: str) -> None:
+        with self._lock:
+            queued = [s for s in self._queued if s.request.request_id == request_id]
+            if queued:
+                self._queued.remove(queued[0])
+                self._finish(queued[0], "abort")
+                return
+            seq = self._running.get(request_id)
+        if seq is not None and not seq.aborted:
+            seq.aborted = True  # its stream ends with "abort", reported then
+            self._loop.create_task(self._post(seq.server, "/abort_request", {"rid": seq.rid}))
+
+    async def _attempt(self, seq: _Seq) -> None:
+        server, before = seq.server, len(seq.tokens)
+        try:
+            reason, error = await self._stream(server, seq)
+        except (TimeoutError, aiohttp.ClientError, ValueError) as e:
+            process = server.server.process
+            died = process is not None and process.poll() is not None
+            self._fail(f"request to {server.server.url} failed: {type(e).__name__}: {e}"
+                       + (f"\nthe server exited:\n{log_tail(server.server)}" if died else ""))  # fmt: skip
+            return
+        with self._lock:
+            server.inflight -= 1
+            del self._running[seq.request.request_id]
+            remaining = self._budget(seq)
+            seq.fruitless = 0 if len(seq.tokens) > before else seq.fruitless + 1
+            if reason not in (None, "abort"):
+                self._finish(seq, reason)
+            elif seq.aborted or error or seq.fruitless > MAX_FRUITLESS_RESENDS:
+                self._finish(seq, "abort")
+            elif remaining <= 0:
+                self._finish(seq, "length")
+            else:  # interrupted by a weight update (or a pause): continue where it stopped
+                seq.attempt += 1
+                self.counters.resent += 1
+                self.counters.resent_tokens += len(seq.request.prompt_ids) + len(seq.tokens)
+                self._queued.appendleft(seq)
+        self._dispatch()
+
+    def _budget(self, seq: _Seq) -> int:
+        """New tokens the next attempt may generate."""
+        used = len(seq.request.prompt_ids) + len(seq.tokens)
+        return min(seq.request.params.max_new_tokens - len(seq.tokens), self.max_seq_len - used)
+
+    async def _stream(self, server: _ServerState, seq: _Seq) -> tuple[str | None, bool]:
+        """One ``/generate`` attempt; records its tokens. Returns (finish reason, error)."""
+        payload = api.generate_payload(seq.rid, seq.request.prompt_ids + seq.tokens,
+                                       seq.request.params, self._budget(seq))  # fmt: skip
+        url, seen, reason = server.server.url, 0, None
+        async with self._session.post(f"{url}/generate", json=payload) as resp:
+            if resp.status != 200:
+                text = (await resp.text())[:300]
+                log.warning("request %s refused by %s: %s %s", seq.rid, url, resp.status, text)
+                return None, True
+            async for chunk in api.events(resp.content):
+                if "error" in chunk:
+                    log.warning("request %s failed on %s: %s", seq.rid, url, chunk["error"])
+                    return None, True
+                meta = chunk.get("meta_info", {})
+                seen = self._take(server, seq, meta, seen)
+                if meta.get("finish_reason"):
+                    reason, error = api.finish_reason(meta["finish_reason"], self.eos_ids)
+                    if error:
+                        log.warning(
+                            "request %s aborted by %s: %s", seq.rid, url, meta["finish_reason"]
+                        )
+                        return reason, True
+        return reason, False
+
+    def _take(self, server: _ServerState, seq: _Seq, meta: dict, seen: int) -> int:
+        """Record the tokens ``meta`` adds to this attempt's ``seen``; returns the new count."""
+        version = api.as_version(meta.get("weight_version"), server.version)
+        if version > server.version:  # updated by someone else (the trainer, over NCCL)
+            server.version = version
+            self.version = max(self.version, min(s.version for s in self.servers))
+        new, seen = api.new_tokens(meta, seen, version)
+        if new:
+            rid = seq.request.request_id
+            seq.tokens.extend(token for token, _, _ in new)
+            with self._arrived:
+                self._tokens.extend(GeneratedToken(rid, t, lp, v) for t, lp, v in new)
+                self.counters.tokens += len(new)
+                self._arrived.notify_all()
+        return seen
+
+    def _finish(self, seq: _Seq, reason: str) -> None:
+        """Report ``seq`` finished; the caller holds ``self._lock``."""
+        self._finished.append(Finished(seq.request.request_id, reason, len(seq.tokens)))
+        if reason == "abort":
+            self.counters.aborted += 1
+        else:
+            self.counters.finished += 1
+        self._arrived.notify_all()
+
+    def _fail(self, message: str) -> None:
+        """A server stopped answering: the next ``step`` raises, the generator exits, and
+        the launcher restarts it (its leases are re-issued)."""
+        log.error(message)
+        with self._arrived:
+            self._failure = message
+            self._arrived.notify_all()
+
+
+def generator_engine(cfg, model_path: str, worker_id: str) -> RemoteEngine:
+    """A generator's remote engine (``cfg`` is its ``RolloutConfig``): server logs go to
+    ``RUN_DIR/logs/generator_ID_serverI.log``, and the server URLs to
+    ``RUN_DIR/endpoints/servers-ID.json`` (read by the trainer's NCCL publisher)."""
+    engine = RemoteEngine(model_path, cfg.engine, log_dir=Path(cfg.run_dir) / "logs",
+                          name=f"generator_{worker_id}")  # fmt: skip
+    write_endpoints(
+        cfg.run_dir, f"servers-{worker_id}", {str(i): url for i, url in enumerate(engine.urls)}
+    )
+    return engine

@@ -1,0 +1,246 @@
+"""Inference servers for the remote engine (DESIGN §8): their config, launching or
+attaching to them, and the weight directories they load.
+
+A generator with ``engine.backend="remote"`` drives HTTP servers that speak sglang's
+native API. It attaches to servers already running (``urls``), or launches
+``num_servers`` of them as subprocesses it owns: sglang itself (``python -m
+sglang.launch_server``, GPU) or asyncrl's sglang-compatible front for the embedded engine
+(``python -m asyncrl.engine.serve``, CPU, and the tests). Either way it waits for
+``/health`` before use, and it stops what it launched on close: SIGTERM to the server's
+process group, SIGKILL after a grace period. A launched server also gets SIGTERM when
+its generator dies (``PR_SET_PDEATHSIG``, Linux), so a killed generator leaves no server
+holding a port or a GPU; the launcher restarts the generator, which launches new ones.
+
+``write_weights_dir`` writes the format every server loads with
+``/update_weights_from_disk``: a Hugging Face directory (safetensors, config, generation
+config, tokenizer), written under a temporary name and renamed into place, so a server
+never reads half a version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+
+@dataclass
+class RemoteEngineConfig:
+    urls: list[str] = field(default_factory=list)
+    """Attach to these running servers (``http://host:port``); empty: launch ``num_servers``."""
+    server: Literal["sglang", "embedded"] = "sglang"
+    """What to launch: an sglang server (GPU), or asyncrl's sglang-compatible HTTP front for
+    the embedded engine (``asyncrl.engine.serve``; CPU and tests)."""
+    num_servers: int = 1
+    """Servers launched per generator; requests go to the one with the fewest in flight."""
+    tp_size: int = 1
+    """GPUs per sglang server (tensor parallel); launched server i uses GPUs
+    ``i*tp_size …`` of the generator's visible ones. NCCL updates assume it of attached
+    servers too."""
+    mem_fraction_static: float = 0.0
+    """sglang's ``--mem-fraction-static`` (weights + KV cache share of GPU memory); 0 leaves
+    sglang's default."""
+    base_port: int = 0
+    """Port of launched server i is ``base_port + i``; 0: free ports the OS picks."""
+    extra_args: list[str] = field(default_factory=list)
+    """Further command-line arguments for every launched server."""
+    startup_timeout_s: float = 600.0
+    """How long a server may take to answer ``/health`` after launch (or attach)."""
+    request_timeout_s: float = 600.0
+    """Longest silence on a request's stream, or wait for a control call (weight update)."""
+    max_inflight: int = 64
+    """Requests outstanding per server; more wait in the engine (``engine/waiting``)."""
+    weight_update: Literal["disk", "nccl"] = "disk"
+    """How new weights reach the servers: ``disk``, a versioned HF directory each server
+    loads; ``nccl``, trainer rank 0 broadcasts into the servers' GPUs (GPU and sglang only)."""
+    nccl_bucket_mb: int = 512
+    """With ``nccl``: tensors broadcast per ``/update_weights_from_distributed`` call."""
+
+    def check(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        p = "engine.remote."
+        for url in self.urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"{p}urls: {url!r} is not an http:// or https:// address")
+        if not self.urls and self.num_servers < 1:
+            raise ValueError(f"{p}num_servers must be >= 1 when {p}urls is empty")
+        if self.tp_size < 1:
+            raise ValueError(f"{p}tp_size must be >= 1")
+        if self.server == "embedded" and self.tp_size != 1 and not self.urls:
+            raise ValueError(f"{p}tp_size applies to sglang; the embedded server uses 1")
+        if not 0.0 <= self.mem_fraction_static < 1.0:
+            raise ValueError(f"{p}mem_fraction_static must be in [0, 1)")
+        if self.base_port and not 1024 <= self.base_port <= 65535 - self.num_servers:
+            raise ValueError(f"{p}base_port must be 0 (pick free ports) or in 1024..65535")
+        if self.startup_timeout_s <= 0 or self.request_timeout_s <= 0:
+            raise ValueError(f"{p}startup_timeout_s and {p}request_timeout_s must be > 0")
+        if self.max_inflight < 1:
+            raise ValueError(f"{p}max_inflight must be >= 1")
+        if self.weight_update == "nccl" and self.server == "embedded" and not self.urls:
+            raise ValueError(
+                f"{p}weight_update=nccl needs sglang servers; the embedded server loads "
+                f"weights from disk only (set {p}weight_update=disk)"
+            )
+        if self.nccl_bucket_mb < 1:
+            raise ValueError(f"{p}nccl_bucket_mb must be >= 1")
+
+
+@dataclass
+class Server:
+    """One server the engine sends requests to."""
+
+    url: str
+    process: subprocess.Popen | None = None
+    """The server when this process launched it (None: attached)."""
+    log_path: Path | None = None
+
+
+def server_command(
+    cfg: RemoteEngineConfig, model_path: str, port: int, index: int, version: int,
+    max_seq_len: int, threads: int,
+) -> list[str]:  # fmt: skip
+    """The command line that launches server ``index`` on ``port``."""
+    # --weight-version: responses then carry meta_info.weight_version = the asyncrl version.
+    if cfg.server == "sglang":
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
+               "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(cfg.tp_size),
+               "--base-gpu-id", str(index * cfg.tp_size), "--weight-version", str(version)]  # fmt: skip
+        if cfg.mem_fraction_static:
+            cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
+        if max_seq_len:
+            cmd += ["--context-length", str(max_seq_len)]
+    else:
+        cmd = [sys.executable, "-m", "asyncrl.engine.serve", "--model", model_path,
+               "--host", "127.0.0.1", "--port", str(port), "--max-slots", str(cfg.max_inflight),
+               "--weight-version", str(version)]  # fmt: skip
+        if max_seq_len:
+            cmd += ["--max-seq-len", str(max_seq_len)]
+        if threads:
+            cmd += ["--threads", str(threads)]
+    return cmd + list(cfg.extra_args)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the launching thread's process dies."""
+    # Not Linux: no death signal, but close() still stops the servers on a clean exit.
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def launch_servers(
+    cfg: RemoteEngineConfig, model_path: str, log_dir: Path, name: str, version: int = 0,
+    max_seq_len: int = 0, threads: int = 0,
+) -> list[Server]:  # fmt: skip
+    """Start ``cfg.num_servers`` servers (each in its own process group, logging to
+    ``log_dir/NAME_serverI.log``); call from the main thread (the death signal follows the
+    launching thread)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    servers = []
+    for i in range(cfg.num_servers):
+        port = cfg.base_port + i if cfg.base_port else free_port()
+        cmd = server_command(cfg, model_path, port, i, version, max_seq_len, threads)
+        log_path = log_dir / f"{name}_server{i}.log"
+        with open(log_path, "ab") as log:
+            log.write(f"$ {' '.join(cmd)}\n".encode())
+            log.flush()
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                    preexec_fn=_die_with_parent)  # fmt: skip
+        servers.append(Server(f"http://127.0.0.1:{port}", proc, log_path))
+    return servers
+
+
+def healthy(url: str, timeout_s: float = 5.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def wait_healthy(servers: list[Server], timeout_s: float) -> None:
+    """Return once every server answers ``/health`` with 200; raise RuntimeError (with the
+    tail of its log) when one exits or the time runs out."""
+    deadline = time.time() + timeout_s
+    for server in servers:
+        while not healthy(server.url):
+            if server.process is not None and server.process.poll() is not None:
+                raise RuntimeError(
+                    f"server {server.url} exited with code {server.process.returncode}:\n"
+                    f"{log_tail(server)}"
+                )
+            if time.time() > deadline:
+                raise RuntimeError(
+                    f"server {server.url} not healthy after {timeout_s:.0f}s "
+                    f"(engine.remote.startup_timeout_s):\n{log_tail(server)}"
+                )
+            time.sleep(0.2)
+
+
+def log_tail(server: Server, chars: int = 3000) -> str:
+    if server.log_path is None or not server.log_path.exists():
+        return "(attached server: no log here)"
+    return server.log_path.read_text(errors="replace")[-chars:]
+
+
+def stop_servers(servers: list[Server], grace_s: float = 10.0) -> None:
+    """SIGTERM every launched server's process group, SIGKILL what is left after
+    ``grace_s``; attached servers are left running."""
+    launched = [s.process for s in servers if s.process is not None and s.process.poll() is None]
+    for proc in launched:
+        _signal_group(proc, signal.SIGTERM)
+    deadline = time.time() + grace_s
+    for proc in launched:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait(timeout=5)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)  # the server's own group: sglang's scheduler processes too
+
+
+def write_weights_dir(state: Mapping[str, torch.Tensor], model_path: str, out_dir: Path) -> Path:
+    """Write ``state`` as a Hugging Face directory servers load (safetensors weights, and the
+    config, generation config and tokenizer of ``model_path``); atomic: written under a
+    temporary name, then renamed."""
+    from asyncrl.models import ModelConfig, hf_config, load_tokenizer, model_class
+
+    src, out_dir = Path(model_path), Path(out_dir)
+    model_cfg = ModelConfig(path=model_path)
+    with torch.device("meta"):
+        plain = model_class(model_cfg).from_config(hf_config(model_cfg))
+    plain.load_state_dict(dict(state), assign=True)
+    if plain.config.tie_word_embeddings:
+        plain.tie_weights()
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    plain.save_pretrained(tmp)
+    if (src / "generation_config.json").exists():
+        shutil.copy(src / "generation_config.json", tmp / "generation_config.json")
+    load_tokenizer(src).save_pretrained(tmp)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+    return out_dir
