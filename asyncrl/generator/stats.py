@@ -11,7 +11,11 @@ Every ``metrics.interval_s`` it logs ``window()`` as ``generator/*`` scalars, an
 - engine step times (mean, p50, p99) split into **update** steps — those that began or
   ended while an update was between its frames' arrival and its flip, and the flip step
   itself (which re-prefills under ``recompute``) — and **steady** steps;
-- per update, seconds from the frames' arrival to staged (ready to flip) and to the flip.
+- per update, seconds from the frames' arrival to staged (ready to flip) and to the flip;
+- in the summary only, steady step times **by active batch size** (``steady_step_by_batch``:
+  per bucket of sequences in the step, the steps, their seconds, sequences and, when the
+  caller passes them, prompt tokens prefilled), which is what ``asyncrl.sim`` calibrates
+  the engine's step cost against batch size from.
 
 The ZeroMQ I/O thread receiving the frames is invisible here: a message is seen only
 once it is whole, so "update" starts at arrival, not at the first byte.
@@ -24,6 +28,7 @@ import time
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -36,6 +41,42 @@ def step_time_stats(prefix: str, seconds: Sequence[float]) -> dict[str, float]:
     p50, p99 = np.percentile(ms, [50, 99])
     return {f"{prefix}_ms_mean": float(ms.mean()), f"{prefix}_ms_p50": float(p50),
             f"{prefix}_ms_p99": float(p99)}  # fmt: skip
+
+
+def batch_bucket(sequences: int) -> int:
+    """The bucket (its lowest batch size) of a step with ``sequences`` sequences: exact up
+    to 64, then 8 wide up to 256, then 64 wide, so the table stays small at any slot count."""
+    if sequences <= 64:
+        return sequences
+    if sequences <= 256:
+        return 64 + 8 * ((sequences - 64) // 8)
+    return 256 + 64 * ((sequences - 256) // 64)
+
+
+@dataclass
+class _ByBatch:
+    """Steady engine steps by batch bucket: [steps, seconds, sequences, prefill tokens]."""
+
+    buckets: dict[int, list[float]] = field(default_factory=dict)
+    prefill_known: bool = False
+
+    def add(self, seconds: float, sequences: int, prefill_tokens: int | None) -> None:
+        row = self.buckets.setdefault(batch_bucket(sequences), [0.0, 0.0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += seconds
+        row[2] += sequences
+        if prefill_tokens is not None:
+            row[3] += prefill_tokens
+            self.prefill_known = True
+
+    def table(self) -> dict[str, dict[str, float]]:
+        out = {}
+        for bucket, (steps, seconds, sequences, prefill) in sorted(self.buckets.items()):
+            row = {"steps": steps, "seconds": seconds, "sequences": sequences}
+            if self.prefill_known:
+                row["prefill_tokens"] = prefill
+            out[str(bucket)] = row
+        return out
 
 
 @dataclass
@@ -77,6 +118,7 @@ class GeneratorStats:
 
     def __init__(self) -> None:
         self._window, self._total = _Totals(), _Totals()
+        self._by_batch = _ByBatch()  # whole run only
         self.weights_received = 0
         self._lock = threading.Lock()  # guards what the weights thread writes
         self._receiving = False  # frames in hand, not yet offered to the engine
@@ -123,10 +165,16 @@ class GeneratorStats:
             t.stage_s += stage_s
             t.flip_s += flip_s
 
-    def on_step(self, seconds: float, tokens: int, during_update: bool) -> None:
+    def on_step(
+        self, seconds: float, tokens: int, during_update: bool, prefill_tokens: int | None = None
+    ) -> None:
+        """One engine step: ``tokens`` is one per sequence in it (its active batch);
+        ``prefill_tokens``, when known, the prompt tokens it prefilled."""
         for t in (self._window, self._total):
             (t.update_step_s if during_update else t.steady_step_s).append(seconds)
             t.tokens += tokens
+        if not during_update:
+            self._by_batch.add(seconds, tokens, prefill_tokens)
 
     def on_loop(self, seconds: float, stepped: bool) -> None:
         """One turn of the decode loop; a turn without an engine step is idle time."""
@@ -142,9 +190,11 @@ class GeneratorStats:
         scalars.update(weights_received=float(self.weights_received), version=float(version))
         return {f"generator/{k}": v for k, v in scalars.items()}
 
-    def summary(self, version: int) -> dict[str, float]:
-        """The whole run's figures (this process's life) under plain names."""
-        out = self._total.scalars()
+    def summary(self, version: int) -> dict[str, Any]:
+        """The whole run's figures (this process's life) under plain names, and the steady
+        step times by batch size (``steady_step_by_batch``, the one nested entry)."""
+        out: dict[str, Any] = self._total.scalars()
         out["loop_s"] = out.pop("window_s")
         out.update(weights_received=float(self.weights_received), version=float(version))
+        out["steady_step_by_batch"] = self._by_batch.table()
         return out

@@ -154,7 +154,8 @@ class GeneratorWorker:
 
     # ---- decoding ------------------------------------------------------------------
     def _step(self) -> None:
-        before = int(self.engine.stats()["engine/version"])
+        stats = self.engine.stats()
+        before, prefilled = int(stats["engine/version"]), stats.get("engine/prefill_tokens")
         updating = self.stats.updating(before)
         start = time.perf_counter()
         out = self.engine.step()
@@ -162,7 +163,11 @@ class GeneratorWorker:
         # The step overlapped an update if one was on its way in when it began or when it
         # ended (frames decoded meanwhile), or if it flipped new weights in itself.
         during_update = updating or out.version != before or self.stats.updating(out.version)
-        self.stats.on_step(seconds, len(out.tokens), during_update)
+        # Prompt tokens this step prefilled (engines that count them): the simulator's
+        # decode-cost calibration separates prefill from decode with it.
+        if prefilled is not None:
+            prefilled = int(self.engine.stats()["engine/prefill_tokens"] - prefilled)
+        self.stats.on_step(seconds, len(out.tokens), during_update, prefilled)
         self._record(out, time.time())
 
     # ---- metrics -------------------------------------------------------------------
