@@ -41,7 +41,14 @@ config = RLExperiment(
     # on ground truth at 8 examples a step and 3e-4); 64 prompts of 4 samples took 1e-4
     # (40.5% -> 45% in 120 steps), while 3e-4 still fell to 25%.
     optim=OptimConfig(lr=1e-4, warmup_steps=20, schedule="constant"),
-    rl=RLConfig(algorithm="grpo", max_steps=2000, loss=PPOLossConfig(clip_low=0.2, clip_high=0.28)),
+    # positive_nll_coef: RPO's NLL term, on the tokens of positive-advantage samples. One
+    # 10-minute run each: without it 55% held-out came at 396 s and 60% at the end; with
+    # α = 0.5, 55% at 276 s, 60% at 380 s, a peak of 65.5% (DPO improved the same way).
+    rl=RLConfig(
+        algorithm="grpo",
+        max_steps=2000,
+        loss=PPOLossConfig(clip_low=0.2, clip_high=0.28, positive_nll_coef=0.5),
+    ),  # fmt: skip
     buffer=BufferConfig(
         prompts_per_batch=64, samples_per_prompt=4, max_staleness=2, dynamic_sampling=True
     ),

@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--experiment", default="experiments/tiny_grpo.py")
     parser.add_argument("--seeds", default="0")
     parser.add_argument(
+        "--modes", default="async,sync,colocated", help="modes to run (empty: sweep only)"
+    )
+    parser.add_argument(
         "--time-limit", type=float, default=600.0, help="seconds of training per mode run"
     )
     parser.add_argument("--target", type=float, default=0.5, help="held-out accuracy target")
@@ -60,16 +63,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     out = Path(args.out)
+    modes = {m: MODES[m] for m in args.modes.split(",") if m}
     points = [Point(f"{mode}-s{seed}", [*extra, f"seed={seed}", f"time_limit_s={args.time_limit}", *args.set],
                     {"mode": mode, "seed": seed})
-              for seed in seeds for mode, extra in MODES.items()]  # fmt: skip
+              for seed in seeds for mode, extra in modes.items()]  # fmt: skip
     results = run_points(
         args.experiment, points, out, [args.target], timeout_s=args.time_limit + 600
     )
     write_csv(results, out / "results.csv")
     key = f"{args.target:g}"
     summary: dict = {"study": "throughput", "target": args.target, "seeds": seeds}
-    for mode in MODES:
+    for mode in modes:
         runs = [r for r in results if r["mode"] == mode]
         summary[f"{mode}_s_to_target"] = median_or_none([r["s_to_target"][key] for r in runs])
         summary[f"{mode}_trained_tokens_per_s"] = statistics.median(
@@ -79,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             r["final_eval_accuracy"] or 0.0 for r in runs
         )
     for other in ("sync", "colocated"):
+        if "async" not in modes or other not in modes:
+            continue
         a, b = summary["async_s_to_target"], summary[f"{other}_s_to_target"]
         summary[f"async_speedup_vs_{other}"] = round(b / a, 3) if a and b else None
     if args.sweep_time_limit > 0:
