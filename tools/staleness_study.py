@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncrl.launcher.study import Point, run_points, write_csv  # noqa: E402
+from asyncrl.launcher.study import Point, add_set_argument, run_points, write_csv  # noqa: E402
 
 
 def points_for(etas: list[str], seeds: list[int], time_limit: float) -> list[Point]:
@@ -114,13 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--targets", default="0.45,0.5", help="accuracy targets for seconds_to_target"
     )
-    parser.add_argument(
-        "--set",
-        nargs="*",
-        default=[],
-        metavar="KEY=VALUE",
-        help="overrides applied to every run (e.g. a smaller batch)",
-    )
+    add_set_argument(parser)
     parser.add_argument("--out", default="runs/studies/staleness")
     args = parser.parse_args(argv)
     etas = [e.strip().lower() for e in args.etas.split(",")]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncrl.launcher.study import Point, run_points, write_csv  # noqa: E402
+from asyncrl.launcher.study import Point, add_set_argument, run_points, write_csv  # noqa: E402
 
 MODES = {"async": [], "sync": ["buffer.max_staleness=0"], "colocated": ["placement=colocated"]}
 # (generators, threads per generator, trainer threads) on this 2-core machine
@@ -52,13 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sweep-time-limit", type=float, default=150.0, help="0 skips the ratio sweep"
     )
-    parser.add_argument(
-        "--set",
-        nargs="*",
-        default=[],
-        metavar="KEY=VALUE",
-        help="overrides applied to every run (e.g. a smaller batch)",
-    )
+    add_set_argument(parser)
     parser.add_argument("--out", default="runs/studies/throughput")
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]

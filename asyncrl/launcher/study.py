@@ -38,6 +38,17 @@ class Point:
     """What the point varies (η, decoupled, seed …), copied into its CSV row."""
 
 
+def add_set_argument(parser) -> None:
+    """``--set KEY=VALUE ...``: overrides every run of a study gets (e.g. a smaller batch)."""
+    parser.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="overrides applied to every run (e.g. a smaller batch)",
+    )
+
+
 def evals_of(run_dir: Path) -> list[tuple[float, float]]:
     """``(trainer seconds, held-out accuracy)`` of every evaluation of a run."""
     return [(r["time"], r["eval/accuracy"]) for r in read_metrics(run_dir)
