@@ -85,11 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         sweep = [Point(f"ratio-g{g}x{t}-t{tt}", [f"num_generators={g}", f"engine.threads={t}",
                        f"trainer.threads_per_rank={tt}", f"time_limit_s={args.sweep_time_limit}",
                        "eval.every_steps=0", f"seed={seeds[0]}", *args.set],
-                       {"generators": g, "generator_threads": t, "trainer_threads": tt})
+                       {"num_generators": g, "generator_threads": t, "trainer_threads": tt})
                  for g, t, tt in RATIOS]  # fmt: skip
         swept = run_points(args.experiment, sweep, out, [], timeout_s=args.sweep_time_limit + 600)
         write_csv(swept, out / "ratio_sweep.csv")
-        summary["ratio_sweep"] = [{k: r[k] for k in ("generators", "generator_threads", "trainer_threads",
+        summary["ratio_sweep"] = [{k: r[k] for k in ("num_generators", "generator_threads", "trainer_threads",
                                                     "trained_tokens_per_s", "generated_tokens_per_s",
                                                     "generator_idle_fraction", "trainer_idle_fraction")}
                                   for r in swept]  # fmt: skip
