@@ -50,7 +50,9 @@ class TrainerConfig:
     checkpoint_every: int = 0
     """Write a checkpoint every this many steps (0: only at the end)."""
     keep_checkpoints: int = 2
-    """How many of the newest checkpoints to keep."""
+    """How many of the newest checkpoints to keep. Resuming skips one that fails its
+    manifest check (a crash or disk error), so with 2 or more a damaged newest one falls
+    back to the previous."""
     resume: bool = True
     """Resume from the newest checkpoint in the run directory when there is one."""
     max_nonfinite_steps: int = 5

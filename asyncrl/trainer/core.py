@@ -66,6 +66,8 @@ class StepStats:
     """Tokens (all ranks) in this step's sequences."""
     seconds: float
     skipped: bool
+    """The loss or gradient norm was NaN/inf: no optimizer or scheduler step was taken,
+    the gradients were dropped, and ``TrainerCore.step`` did not advance."""
     metrics: dict[str, float]
     """Global metric sums divided by the normalizer."""
 
@@ -175,7 +177,11 @@ class TrainerCore:
             if self.nonfinite_in_a_row >= self.cfg.max_nonfinite_steps:
                 raise NonFiniteError(
                     f"{self.nonfinite_in_a_row} consecutive steps had a non-finite loss or "
-                    f"gradient (loss={loss}, grad_norm={grad_norm}); stopping"
+                    f"gradient (last: loss={loss}, grad_norm={grad_norm}); stopping. Each "
+                    "was skipped without touching the weights. Lower optim.lr (or lengthen "
+                    "optim.warmup_steps), check rewards, advantages and data for NaN/inf, "
+                    "or resume from the last checkpoint; trainer.max_nonfinite_steps sets "
+                    "how many in a row are tolerated."
                 )
         return StepStats(
             loss=loss,
