@@ -8,6 +8,11 @@ generators SUBscribe to. Endpoints default to ``ipc://`` sockets inside the run 
 ``RUN_DIR/endpoints/ROLE.json`` and the others read them there, so no port is hard-coded.
 Across nodes (``launch/slurm.py``) the run directory is on a shared filesystem and
 ``host="*"`` binds every interface and advertises this node's name.
+
+Sockets are made here: ``server_socket`` for those that bind, ``client_socket`` for those
+that connect. Both turn on CURVE (``asyncrl.security``) when ``curve_enabled``, which it is
+whenever a socket is reachable from other machines; ``bind`` refuses a non-loopback TCP
+bind of a socket without it. Every socket refuses incoming messages over a size limit.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from typing import Literal
 
 import zmq
 
+from asyncrl import security
+
 
 @dataclass
 class TransportConfig:
@@ -33,8 +40,20 @@ class TransportConfig:
     overrides the name), for processes spread over several nodes."""
     high_water_mark: int = 10_000
     """Messages queued per socket before senders block (bounded memory)."""
-    max_message_bytes: int = 1 << 30
-    """Larger incoming messages are refused by ZeroMQ (weights excepted: see the trainer)."""
+    curve: Literal["auto", "on", "off"] = "auto"
+    """ZeroMQ CURVE: encryption, and both ends authenticated by the keys in ``RUN_DIR/keys``
+    (``asyncrl.security``). ``auto``: on when ``scheme`` is ``tcp`` and ``host`` is not a
+    loopback address, i.e. whenever other machines can reach the sockets; ``on``: always
+    (ipc and loopback too); ``off``: never, refused for a non-loopback ``host``."""
+    max_message_bytes: int = 256 << 20
+    """Incoming frames larger than this are refused (ZeroMQ drops the sender's connection) on
+    every socket but the generators' weights SUB. The largest frame is a trainer rank's
+    Batch, at most ~20 bytes per token in msgpack (id <= 5, logprob 9, version <= 5, loss
+    mask 1): 256 MiB holds ~13M tokens per rank per step, e.g. 256 samples of 32k tokens
+    (8.4M). Chunks, requests and heartbeats are under a megabyte."""
+    max_weights_bytes: int = 8 << 30
+    """The same limit on a generator's weights SUB socket, where each tensor is one frame:
+    the largest tensor of a 405B model (its 128256 x 16384 bf16 embedding) is 4.2 GB."""
     chunk_tokens: int = 16
     """A generator flushes a lease's new tokens once this many have accumulated …"""
     chunk_ms: float = 50.0
@@ -43,8 +62,13 @@ class TransportConfig:
     """Interval of generator heartbeats."""
 
 
-def bind(sock: zmq.Socket, cfg: TransportConfig, run_dir: str | Path, name: str) -> str:
-    """Bind ``sock`` to a fresh endpoint for ``name`` and return the endpoint string."""
+def bind(
+    sock: zmq.Socket, cfg: TransportConfig, run_dir: str | Path, name: str, previous: str = ""
+) -> str:
+    """Bind ``sock`` to a fresh endpoint for ``name`` and return the endpoint string. With
+    ``previous`` (the endpoint a dead process of the same role had), TCP binds the same
+    port again when it is free, so peers that dialed it reconnect by themselves (ipc
+    paths are the same anyway)."""
     if cfg.scheme == "ipc":
         directory = Path(run_dir).resolve() / "sockets"
         directory.mkdir(parents=True, exist_ok=True)
@@ -53,6 +77,18 @@ def bind(sock: zmq.Socket, cfg: TransportConfig, run_dir: str | Path, name: str)
         endpoint = f"ipc://{path}"
         sock.bind(endpoint)
         return endpoint
+    if not security.is_loopback(cfg.host) and not sock.getsockopt(zmq.CURVE_SERVER):
+        raise ValueError(
+            f"refusing to bind transport.host={cfg.host!r} without CURVE: make the socket with "
+            "server_socket (transport.curve=auto or on), or bind a loopback host"
+        )
+    port = previous.rpartition(":")[2] if previous.startswith("tcp://") else ""
+    if port.isdigit():
+        try:
+            sock.bind(f"tcp://{cfg.host}:{port}")
+            return f"tcp://{advertised_host(cfg.host)}:{port}"
+        except zmq.ZMQError:
+            pass  # taken meanwhile: a fresh port (peers re-read the endpoints file)
     port = sock.bind_to_random_port(f"tcp://{cfg.host}")
     return f"tcp://{advertised_host(cfg.host)}:{port}"
 
@@ -67,16 +103,60 @@ def advertised_host(host: str) -> str:
 
 
 def make_socket(
-    ctx: zmq.Context, kind: int, cfg: TransportConfig, identity: str | None = None
+    ctx: zmq.Context,
+    kind: int,
+    cfg: TransportConfig,
+    identity: str | None = None,
+    *,
+    max_message_bytes: int | None = None,
 ) -> zmq.Socket:
+    """A socket with bounded queues and message size (``cfg.max_message_bytes`` unless
+    given), without CURVE: ``server_socket`` and ``client_socket`` add it."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)  # never hang on exit with undelivered messages
     sock.setsockopt(zmq.SNDHWM, cfg.high_water_mark)
     sock.setsockopt(zmq.RCVHWM, cfg.high_water_mark)
-    sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
+    limit = cfg.max_message_bytes if max_message_bytes is None else max_message_bytes
+    sock.setsockopt(zmq.MAXMSGSIZE, limit)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity.encode())
     return sock
+
+
+def server_socket(
+    ctx: zmq.Context, kind: int, cfg: TransportConfig, run_dir: str | Path
+) -> zmq.Socket:
+    """A socket other processes connect to (it binds). With CURVE it holds the run's
+    server keys and ``ctx`` runs an authenticator that accepts only the run's client key:
+    destroy ``ctx`` with ``close_context``."""
+    sock = make_socket(ctx, kind, cfg)
+    if security.curve_enabled(cfg):
+        security.secure_server(sock, ctx, run_dir)
+    return sock
+
+
+def client_socket(
+    ctx: zmq.Context,
+    kind: int,
+    cfg: TransportConfig,
+    run_dir: str | Path,
+    identity: str | None = None,
+    *,
+    max_message_bytes: int | None = None,
+) -> zmq.Socket:
+    """A socket that connects to a ``server_socket``; with CURVE it holds the run's client
+    keys and accepts only a server with the run's server key."""
+    sock = make_socket(ctx, kind, cfg, identity, max_message_bytes=max_message_bytes)
+    if security.curve_enabled(cfg):
+        security.secure_client(sock, run_dir)
+    return sock
+
+
+def close_context(ctx: zmq.Context, linger: int = 0) -> None:
+    """``ctx.destroy(linger)``, after stopping the CURVE authenticator a ``server_socket``
+    may have started in it (its thread polls sockets ``destroy`` would close under it)."""
+    security.stop_authenticator(ctx)
+    ctx.destroy(linger=linger)
 
 
 def write_endpoints(run_dir: str | Path, role: str, endpoints: dict[str, str]) -> None:

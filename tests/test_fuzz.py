@@ -1,6 +1,8 @@
-"""Fuzz the sockets of a real buffer process and a real generator process with random,
-truncated, mistyped, wrong-version, wrong-run, misplaced and multi-frame messages:
-neither crashes, each bad frame is counted by kind, and both keep serving good ones."""
+"""Fuzz every ZeroMQ socket that receives messages with random, truncated, mistyped,
+wrong-version, wrong-run, misplaced and multi-frame messages: the buffer process's three
+sockets, a generator process's lease DEALER and weights SUB, a trainer rank's DEALER
+(``BufferClient``) and the trainer's weights PUB. None crashes, each bad frame is counted
+by kind, and each keeps serving good ones. (A generator's PUSH only sends.)"""
 
 from __future__ import annotations
 
@@ -10,29 +12,40 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
+from types import SimpleNamespace
 
 import msgspec
+import torch
 import zmq
 
+from asyncrl.buffer.client import BufferClient
 from asyncrl.buffer.core import BufferConfig
 from asyncrl.config import save_json
 from asyncrl.engine.embedded import EngineConfig
 from asyncrl.models import ModelConfig
 from asyncrl.rollout import RolloutConfig, SamplingConfig
 from asyncrl.tasks import TaskConfig
+from asyncrl.trainer.publish import WeightPublisher
 from asyncrl.transport import TransportConfig, bind, make_socket, read_endpoints, write_endpoints
 from asyncrl.wire import (
     PROTOCOL_VERSION,
+    Batch,
+    BatchRequest,
     Chunk,
     Heartbeat,
     Lease,
     LeaseGrant,
     LeaseRequest,
+    Sample,
     SamplingSpec,
+    TensorMeta,
     VersionAnnounce,
+    WeightsAnnounce,
     WireDecoder,
+    decode_tensors,
     encode,
 )
 
@@ -60,6 +73,31 @@ def bad_frames(rng: random.Random, good: bytes, misplaced: bytes) -> list[tuple[
     cases.append(("run_id", [encode(VersionAnnounce(run_id="someone-else", version=1))]))
     cases.append(("unexpected", [misplaced]))
     cases.append(("frames", [good, good]))
+    rng.shuffle(cases)
+    return cases
+
+
+def bad_weights(rng: random.Random) -> list[list[bytes]]:
+    """Weight updates a generator must count and drop (each once): garbage, a truncated or
+    foreign header, and headers whose tensor frames do not match them."""
+
+    def announce(tensors, **kw) -> bytes:
+        fields = {"run_id": RUN, "version": 5, "tensors": tensors, **kw}
+        return encode(WeightsAnnounce(**fields))
+
+    meta = [TensorMeta("w", "float32", [4])]
+    cases = [[bytes(rng.randrange(256) for _ in range(rng.randint(0, 64))), b"x" * 8]
+             for _ in range(10)]  # fmt: skip
+    cases += [
+        [announce(meta)[:-3], b"x" * 16],  # truncated header
+        [announce(meta, run_id="someone-else"), b"x" * 16],
+        [announce(meta, protocol=PROTOCOL_VERSION + 7), b"x" * 16],
+        [encode(VersionAnnounce(run_id=RUN, version=5))],  # not a weights message
+        [announce(meta)],  # a tensor frame missing
+        [announce(meta), b"x" * 15],  # the wrong size for its shape
+        [announce([TensorMeta("w", "float99", [4])]), b"x" * 16],  # no such dtype
+        [announce([TensorMeta("w", "Tensor", [4])]), b"x" * 16],  # not a dtype
+    ]
     rng.shuffle(cases)
     return cases
 
@@ -134,7 +172,7 @@ def test_fuzzing_a_generator(tmp_path, tiny_model_dir):
     ctx = zmq.Context()
     pull = make_socket(ctx, zmq.PULL, cfg.transport)
     router = make_socket(ctx, zmq.ROUTER, cfg.transport)
-    pub = make_socket(ctx, zmq.PUB, cfg.transport)
+    pub = make_socket(ctx, zmq.XPUB, cfg.transport)  # a PUB that sees subscriptions
     write_endpoints(
         tmp_path,
         "buffer",
@@ -168,8 +206,11 @@ def test_fuzzing_a_generator(tmp_path, tiny_model_dir):
             identity, _ = router.recv_multipart()
             router.send_multipart([identity, *frames])
             sent += 1
-        for _ in range(20):  # garbage weight updates on the PUB socket (some may precede the SUB)
-            pub.send_multipart([bytes(rng.randrange(256) for _ in range(16)), b"x" * 8])
+        assert pub.poll(30_000) and pub.recv() == b"\x01", "the generator never subscribed"
+        weights = bad_weights(rng)
+        for frames in weights:
+            pub.send_multipart(frames)
+        sent += len(weights)
         # A good lease after all that: the generator streams its tokens back.
         identity, _ = router.recv_multipart()
         lease = Lease(run_id=RUN, lease_id="L", prompt_id=0, group_id=0, sample_index=0, prompt_ids=[5, 6, 7],
@@ -185,10 +226,94 @@ def test_fuzzing_a_generator(tmp_path, tiny_model_dir):
                 finished = finished or (isinstance(msg, Chunk) and msg.finished)
                 beat = msg if isinstance(msg, Heartbeat) else beat
         assert finished, "no finished chunk for the good lease"
-        assert beat is not None and beat.counters["bad_frames"] >= sent, beat
+        assert beat is not None and beat.counters["bad_frames"] == sent, beat
         assert proc.poll() is None, "the generator died"
     finally:
         ctx.destroy(linger=0)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
     assert proc.returncode == 0, (tmp_path / "gen.log").read_text()[-3000:]
+
+
+def test_fuzzing_a_trainer_rank(tmp_path):
+    """A fake buffer answers a trainer rank's BatchRequest with garbage, another protocol's
+    and another run's batches and another step's batch before the right one: the rank's
+    ``BufferClient`` counts and drops the bad frames, skips the other step's (a repeated
+    answer), and returns the right batch."""
+    transport = TransportConfig()
+    ctx = zmq.Context()
+    router = make_socket(ctx, zmq.ROUTER, transport)
+    endpoint = bind(router, transport, tmp_path, "t")
+    write_endpoints(tmp_path, "buffer", {"chunks": "", "leases": "", "trainer": endpoint})
+    client = BufferClient(str(tmp_path), RUN, rank=0, transport=transport)
+    got: list[Batch] = []
+    thread = threading.Thread(target=lambda: got.append(client.request_batch(3, 1, timeout_s=60)))
+    thread.start()
+    try:
+        assert router.poll(30_000), "no BatchRequest"
+        identity, request = router.recv_multipart()
+        assert WireDecoder(RUN).decode(request) == BatchRequest(
+            run_id=RUN, step=3, rank=0, world_size=1
+        )
+        sample = Sample(prompt_id=0, group_id=0, sample_index=0, token_ids=[5, 6], logprobs=[0.0, -1.0],
+                        versions=[-1, 0], loss_mask=[0, 1], reward=1.0)  # fmt: skip
+        good = Batch(run_id=RUN, step=3, rank=0, samples=[sample])
+        expected: Counter[str] = Counter()
+        misplaced = encode(VersionAnnounce(run_id=RUN, version=1))
+        for kind, frames in bad_frames(random.Random(2), encode(good), misplaced):
+            if kind == "frames":
+                continue  # a DEALER reads frame by frame: each is judged on its own
+            router.send_multipart([identity, *frames])
+            # It expects only a Batch: any other message is undecodable to it.
+            expected["decode"] += 1
+        for kind, batch in (
+            ("protocol", Batch(run_id=RUN, step=3, rank=0, samples=[], protocol=PROTOCOL_VERSION + 1)),
+            ("run_id", Batch(run_id="someone-else", step=3, rank=0, samples=[])),
+        ):  # fmt: skip
+            router.send_multipart([identity, encode(batch)])
+            expected[kind] += 1
+        router.send_multipart([identity, encode(Batch(run_id=RUN, step=2, rank=0, samples=[]))])
+        router.send_multipart([identity, encode(good)])
+        thread.join(timeout=60)
+        assert got == [good]
+        assert client.decoder.errors == expected
+    finally:
+        thread.join(timeout=60)
+        client.close()
+        ctx.destroy(linger=0)
+
+
+def test_fuzzing_the_weights_publisher(tmp_path):
+    """Strangers' frames on the trainer's PUB socket, where only subscriptions come in:
+    garbage, unsubscriptions, multi-frame and oversized ones. A generator's SUB still
+    receives the next version intact."""
+    transport = TransportConfig(max_message_bytes=1 << 16)
+    cfg = SimpleNamespace(run_dir=str(tmp_path), run_id=RUN, transport=transport)
+    publisher = WeightPublisher(cfg)
+    ctx = zmq.Context()
+    try:
+        endpoint = read_endpoints(tmp_path, "trainer", timeout_s=10)["weights"]
+        rng = random.Random(3)
+        xsub = make_socket(ctx, zmq.XSUB, transport)
+        xsub.connect(endpoint)
+        for _ in range(50):
+            xsub.send_multipart([bytes(rng.randrange(256) for _ in range(rng.randint(0, 64)))
+                                 for _ in range(rng.randint(1, 3))])  # fmt: skip
+        xsub.send(b"\x00")  # an unsubscription from nothing
+        xsub.send(b"\x01" + b"x" * (1 << 17))  # over the size limit: the connection is dropped
+        sub = make_socket(ctx, zmq.SUB, transport, max_message_bytes=transport.max_weights_bytes)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(endpoint)
+        state = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+        received = None
+        deadline = time.time() + 30
+        while received is None and time.time() < deadline:
+            publisher.publish(1, state)  # PUB drops what it sends before the subscription lands
+            if sub.poll(200):
+                frames = sub.recv_multipart()
+                received = decode_tensors(WireDecoder(RUN).decode(frames[0]), frames[1:])
+        assert received is not None, "the SUB never received the weights"
+        assert torch.equal(received["w"], state["w"])
+    finally:
+        ctx.destroy(linger=0)
+        publisher.close()

@@ -309,7 +309,8 @@ def subscriber_main(index: int, pub_endpoint: str, report_endpoint: str) -> None
     """Receive updates as a generator does; report when each one's tensors are rebuilt."""
     ctx = zmq.Context()
     try:
-        sub = make_socket(ctx, zmq.SUB, TransportConfig())
+        transport = TransportConfig()
+        sub = make_socket(ctx, zmq.SUB, transport, max_message_bytes=transport.max_weights_bytes)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(pub_endpoint)
         report = make_socket(ctx, zmq.PUSH, TransportConfig())

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import apply_overrides, load_experiment, save_json
+from asyncrl.security import curve_enabled, ensure_keys
 from asyncrl.stages.common import ProcessSpec
 
 
@@ -70,6 +71,9 @@ def prepare(cfg: Any, adjust: Callable[[Any], None] | None = None) -> Prepared:
         adjust(cfg)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    transport = getattr(cfg, "transport", None)
+    if transport is not None and curve_enabled(transport):
+        ensure_keys(run_dir)  # before any process binds or connects (asyncrl.security)
     config_path = run_dir / "config.json"
     save_json(cfg, config_path)
     return Prepared(cfg, config_path, cfg.processes(str(config_path)))
