@@ -9,7 +9,9 @@ Who sends what:
     Heartbeat      generator/trainer -> buffer
     BatchRequest   trainer rank -> buffer
     Batch          buffer -> trainer rank
-    VersionAnnounce trainer -> buffer     the newest published weights version
+    VersionAnnounce trainer -> buffer     the newest published weights version (or the
+                                          version a restarted trainer resumes at)
+    CheckpointAnnounce trainer -> buffer  the oldest checkpoint kept (older batches can go)
     WeightsAnnounce trainer -> generators header of a weights update; raw tensor frames follow
 
 Tensors never go through msgpack: ``encode_tensors`` yields a small header plus one raw
@@ -134,6 +136,16 @@ class Batch(Message):
 
 class VersionAnnounce(Message):
     version: int
+    resumed: bool = False
+    """The trainer (re)started at ``version`` (its checkpoint's step): the buffer goes back
+    to it and serves the batches of the steps it already served again."""
+
+
+class CheckpointAnnounce(Message):
+    """The oldest trainer checkpoint kept is at ``step``: batches of earlier steps will
+    never be asked for again."""
+
+    step: int
 
 
 class TensorMeta(msgspec.Struct, array_like=True):
@@ -146,6 +158,10 @@ class WeightsAnnounce(Message):
     version: int
     tensors: list[TensorMeta]
     """One raw frame follows the header for each entry, in this order."""
+    lineage: str = ""
+    """Which trainer process made these weights. A generator takes any version from a new
+    lineage (a trainer restarted from a checkpoint goes back to that version), and only
+    newer versions from the one it has."""
 
 
 class WeightsOnDisk(Message):
@@ -154,6 +170,8 @@ class WeightsOnDisk(Message):
 
     version: int
     path: str
+    lineage: str = ""
+    """As in ``WeightsAnnounce``."""
 
 
 ANY_MESSAGE = (
@@ -165,6 +183,7 @@ ANY_MESSAGE = (
     | BatchRequest
     | Batch
     | VersionAnnounce
+    | CheckpointAnnounce
     | WeightsAnnounce
     | WeightsOnDisk
 )
@@ -223,7 +242,9 @@ class WireDecoder:
         self.errors[kind] += 1
 
 
-def encode_tensors(version: int, run_id: str, tensors: dict[str, torch.Tensor]) -> list:
+def encode_tensors(
+    version: int, run_id: str, tensors: dict[str, torch.Tensor], lineage: str = ""
+) -> list:
     """``[header, frame, frame, …]`` for a weights update; frames share the tensors' memory."""
     metas, frames = [], []
     for name, t in tensors.items():
@@ -232,7 +253,7 @@ def encode_tensors(version: int, run_id: str, tensors: dict[str, torch.Tensor]) 
         # bf16 has no numpy/buffer format: send its bytes as int16 and reinterpret on arrival.
         raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
         frames.append(memoryview(raw.reshape(-1).numpy()).cast("B"))
-    header = encode(WeightsAnnounce(run_id=run_id, version=version, tensors=metas))
+    header = encode(WeightsAnnounce(run_id=run_id, version=version, lineage=lineage, tensors=metas))
     return [header, *frames]
 
 

@@ -35,7 +35,11 @@ config = RLExperiment(
     model=ModelConfig(path=sft.sft.export_dir),
     task=replace(sft.task, full_marks_only=True, rl_split="unseen"),
     num_generators=1,
-    trainer=TrainerConfig(num_ranks=1, threads_per_rank=1, micro_batch_tokens=4096),
+    # A checkpoint every 50 steps (~80 s, ~0.2 s each): a trainer that dies redoes at most
+    # that many steps, and the buffer keeps at most that many steps' batches to serve again.
+    trainer=TrainerConfig(
+        num_ranks=1, threads_per_rank=1, micro_batch_tokens=4096, checkpoint_every=50
+    ),
     # Measured on this SFT model: the update noise of a batch decides the usable rate. With
     # 8 prompts a step, 1e-4 and above fell to 17-30% held-out within 150 steps (so did SFT
     # on ground truth at 8 examples a step and 3e-4); 64 prompts of 4 samples took 1e-4

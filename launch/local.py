@@ -7,8 +7,10 @@ field's type; a bad key or value stops here with a message naming it), computes 
 values, saves the resolved config as ``RUN_DIR/config.json``, then starts the
 experiment's processes (trainer ranks; for RL also the buffer and the generators), each
 with its own log under ``RUN_DIR/logs/``. Rank 0's output is also shown here. A generator
-that dies is restarted and rejoins; any other death stops the run with the tail of that
-process's log. The run ends when the trainer ranks finish; Ctrl-C stops everything.
+that dies is restarted and rejoins; a dead buffer is restarted from its saved state and
+write-ahead log, dead trainer ranks (all of them together) from their newest checkpoint,
+while the other processes keep running; a process that keeps dying stops the run with
+the tail of its log. The run ends when the trainer ranks finish; Ctrl-C stops everything.
 When an output the experiment starts from is missing (its ``prerequisites()``, e.g. the
 SFT policy), the experiment that makes it runs first. ``launch/slurm.py`` runs the same files on a cluster.
 """
@@ -17,9 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
+import time
 
 from asyncrl.config import ConfigError, to_dict
 from asyncrl.launcher.prepare import Prepared, clear_rendezvous, prepare, stage_chain
@@ -51,20 +55,28 @@ def local_processes(stage: Prepared) -> list[Supervised]:
         procs.append(Supervised(spec.name, [sys.executable, "-m", spec.module, *spec.args],
                                 stage.run_dir / "logs" / f"{spec.name}.log", env=env,
                                 restartable=spec.restartable, final=spec.rank is not None,
-                                echo=spec.rank == 0))  # fmt: skip
+                                echo=spec.rank == 0, group=spec.group, max_restarts=spec.max_restarts))  # fmt: skip
     return procs
+
+
+def restarting(stage: Prepared, group: str) -> None:
+    """Trainer ranks restarted together meet anew: the dead ones' rendezvous file goes."""
+    if group == "trainer":
+        (stage.run_dir / "rendezvous").unlink(missing_ok=True)
 
 
 def run_stage(stage: Prepared) -> int:
     print(f"[launch] run directory: {stage.run_dir}", flush=True)
     clear_rendezvous(stage.run_dir)
+    # One id per launch: trainer ranks restarted within it keep the stage's clock.
+    os.environ["ASYNCRL_LAUNCH_ID"] = f"{os.getpid()}-{time.time_ns()}"
     procs = local_processes(stage)
     # SIGTERM (kill, a batch system) and SIGINT (Ctrl-C; also `kill -INT`, which a shell
     # ignores for its background jobs unless handled) both stop every process of the run.
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    code = supervise(procs, stop=stop)
+    code = supervise(procs, stop=stop, before_restart=lambda group: restarting(stage, group))
     if stop.is_set():
         print("\n[launch] interrupted; stopped every process", file=sys.stderr)
         return 130

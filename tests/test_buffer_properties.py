@@ -5,6 +5,11 @@ order) and a simulated trainer of two ranks.
 Invariants checked after every action: the counters add up (every sample slot created
 is consumed, stale, filtered, failed or in flight); no consumed trajectory is staler
 than η; with η = 0 every consumed token's version equals the step that consumes it.
+
+Every input goes through the write-ahead ``Journal``; the buffer "crashes" and comes
+back from its last saved state plus the log since, which must give the same state,
+and the trainer restarts from its last checkpoint and must get the same batches again
+for the steps it redoes, without any sample counted as consumed twice.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from asyncrl.buffer.core import BufferConfig, RolloutBuffer
+from asyncrl.buffer.wal import Journal, frame, replay
 from asyncrl.wire import Chunk, SamplingSpec
 
 GENERATORS = ["g0", "g1", "g2"]
@@ -45,6 +51,11 @@ class Simulation:
             dynamic_sampling=dynamic,
         )
         self.buffer = RolloutBuffer(cfg, "run", prompts, score, SamplingSpec())
+        self.log: list[bytes] = []  # the write-ahead log since the last save
+        self.journal = Journal(self.buffer, self)
+        self.saved = self.buffer.state()
+        self.checkpoint = 0  # the trainer's newest checkpoint (a step)
+        self.served: dict[int, list[tuple[int, int]]] = {}  # step -> (group, index) trained
         self.rng = random.Random(seed)
         self.now = 0.0
         self.step = 0  # the trainer's version == the next step it consumes
@@ -65,6 +76,10 @@ class Simulation:
             (self.kill, 1),
             (self.restart, 1),
             (self.restart_buffer, 1),
+            (self.crash_buffer, 1),
+            (self.save, 2),
+            (self.trainer_checkpoint, 2),
+            (self.restart_trainer, 1),
         ]
         moves, weights = zip(*table)
         for move in self.rng.choices(moves, weights, k=actions):
@@ -74,7 +89,7 @@ class Simulation:
     def lease(self) -> None:
         g = self.rng.choice(GENERATORS)
         if self.alive[g]:
-            for lease in self.buffer.lease(g, self.rng.randint(1, 4), self.now):
+            for lease in self.journal.lease(g, self.rng.randint(1, 4), self.now):
                 self.held[g][lease.lease_id] = 0
 
     def generate(self) -> None:
@@ -100,9 +115,9 @@ class Simulation:
         self.rng.shuffle(self.network)
         count = self.rng.randint(1, 8)
         for chunk in self.network[:count]:
-            self.buffer.on_chunk(chunk, self.now)
+            self.journal.chunk(chunk, self.now)
             if self.rng.random() < 0.1:
-                self.buffer.on_chunk(chunk, self.now)
+                self.journal.chunk(chunk, self.now)
         del self.network[:count]
 
     def sync_weights(self) -> None:
@@ -121,29 +136,65 @@ class Simulation:
         self.buffer = RolloutBuffer(self.buffer.cfg, "run", prompts, score, SamplingSpec())
         self.buffer.restore(data, self.now)
         assert self.buffer.state() == data
+        self.journal.buffer = self.buffer
+
+    def append(self, event) -> None:  # the Journal's log
+        self.log.append(frame(event))
+
+    def save(self) -> None:
+        self.saved, self.log = self.buffer.state(), []
+
+    def crash_buffer(self) -> None:
+        """The buffer process is killed: the saved state plus the log replayed gives back
+        exactly the state it had."""
+        before = self.buffer.state()
+        self.buffer = RolloutBuffer(self.buffer.cfg, "run", prompts, score, SamplingSpec())
+        self.buffer.restore(self.saved, self.now)
+        replay(self.buffer, b"".join(self.log))
+        self.buffer.alive_since(self.now)
+        assert self.buffer.state() == before
+        self.journal.buffer = self.buffer
+
+    def trainer_checkpoint(self) -> None:
+        self.checkpoint = self.step
+        self.journal.checkpointed(self.step)
+
+    def restart_trainer(self) -> None:
+        """The trainer goes back to its checkpoint; the steps it redoes get the same data."""
+        self.step = self.checkpoint
+        self.journal.version(self.step, resumed=True)
 
     def advance(self) -> None:
         self.now += self.rng.choice([0.5, 1.0, 2.0, 30.0])
         for g in GENERATORS:
             if self.alive[g]:
                 self.buffer.on_heartbeat(g, self.now)
-        self.buffer.expire(self.now)
+        self.journal.expire(self.now)
         for g in GENERATORS:  # a generator whose lease was taken back stops working on it
             self.held[g] = {k: v for k, v in self.held[g].items() if k in self.buffer.leases}
 
     def train_step(self) -> None:
-        shares = [self.buffer.batch_for(self.step, rank, 2) for rank in range(2)]
+        consumed_before = self.buffer.counts["samples_consumed"]
+        shares = [self.journal.batch(self.step, rank, 2) for rank in range(2)]
         if shares[0] is None:
             return
-        for sample in shares[0] + shares[1]:
-            self.consumed.append(
-                (self.step, [v for v, m in zip(sample.versions, sample.loss_mask) if m])
-            )
+        keys = [(s.group_id, s.sample_index) for s in shares[0] + shares[1]]
+        if self.step in self.served:  # a step redone after a trainer restart
+            assert keys == self.served[self.step]
+            assert self.buffer.counts["samples_consumed"] == consumed_before
+        else:
+            self.served[self.step] = keys
+            for sample in shares[0] + shares[1]:
+                self.consumed.append(
+                    (self.step, [v for v, m in zip(sample.versions, sample.loss_mask) if m])
+                )
         self.step += 1
-        self.buffer.set_version(self.step)
+        self.journal.version(self.step)
 
     def check(self) -> None:
         self.buffer.check_accounting()
+        consumed = [k for keys in self.served.values() for k in keys]
+        assert len(consumed) == len(set(consumed)) == self.buffer.counts["samples_consumed"]
         for step, versions in self.consumed:
             assert versions, "a consumed sample has no generated tokens"
             if self.eta is not None:
@@ -163,6 +214,7 @@ def test_buffer_invariants_under_random_schedules(eta, dynamic, seed):
         f"stale groups dropped: {bool(c['groups_stale'])}, reissued leases: {bool(c['leases_reissued'])}"
     )
     assert sum(sim.buffer.staleness.values()) == c["samples_consumed"]
+    event(f"batches served again after a trainer restart: {bool(c['batches_served_again'])}")
 
 
 def test_eta_zero_is_one_batch_of_prompts_per_version():

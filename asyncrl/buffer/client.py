@@ -8,8 +8,15 @@ from collections.abc import Callable
 
 import zmq
 
-from asyncrl.transport import TransportConfig, make_socket, read_endpoints
-from asyncrl.wire import Batch, BatchRequest, VersionAnnounce, WireDecoder, encode
+from asyncrl.transport import TransportConfig, client_socket, read_endpoints
+from asyncrl.wire import (
+    Batch,
+    BatchRequest,
+    CheckpointAnnounce,
+    VersionAnnounce,
+    WireDecoder,
+    encode,
+)
 
 
 class BufferClient:
@@ -19,7 +26,9 @@ class BufferClient:
         if endpoints is None:
             raise TimeoutError(f"the buffer never published its endpoints in {run_dir}")
         self.ctx = zmq.Context()
-        self.sock = make_socket(self.ctx, zmq.DEALER, transport, identity=f"trainer-{rank}")
+        self.sock = client_socket(
+            self.ctx, zmq.DEALER, transport, run_dir, identity=f"trainer-{rank}"
+        )
         self.sock.connect(endpoints["trainer"])
         self.decoder = WireDecoder(run_id, expected=Batch)
 
@@ -37,11 +46,10 @@ class BufferClient:
         weights there, since a generator that (re)joined after the last publish would
         otherwise decode forever with weights too stale for the buffer to accept.
         """
-        self.sock.send(
-            encode(
-                BatchRequest(run_id=self.run_id, step=step, rank=self.rank, world_size=world_size)
-            )
+        request = encode(
+            BatchRequest(run_id=self.run_id, step=step, rank=self.rank, world_size=world_size)
         )
+        self.sock.send(request)
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
@@ -50,13 +58,24 @@ class BufferClient:
             if not self.sock.poll(int(min(left, wait_tick_s) * 1000)):
                 if on_wait is not None:
                     on_wait()
+                # Ask again: a buffer that died and restarted never saw the request. Asking
+                # twice is safe, the buffer serves a step's share the same every time.
+                self.sock.send(request)
                 continue
             batch = self.decoder.try_decode(self.sock.recv(copy=False).buffer, "trainer socket")
             if isinstance(batch, Batch) and batch.step == step:
                 return batch
 
-    def announce_version(self, version: int) -> None:
-        self.sock.send(encode(VersionAnnounce(run_id=self.run_id, version=version)))
+    def announce_version(self, version: int, resumed: bool = False) -> None:
+        """The newest published version, or (``resumed``) the version this trainer starts
+        at, from its checkpoint or from scratch."""
+        self.sock.send(
+            encode(VersionAnnounce(run_id=self.run_id, version=version, resumed=resumed))
+        )
+
+    def announce_checkpoint(self, oldest_kept_step: int) -> None:
+        """Batches of steps before the oldest checkpoint kept will never be asked again."""
+        self.sock.send(encode(CheckpointAnnounce(run_id=self.run_id, step=oldest_kept_step)))
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)

@@ -13,6 +13,7 @@ or failed, or is still in flight, and ``check_accounting`` proves the sum.
 
 from __future__ import annotations
 
+import math
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,7 +40,19 @@ class BufferConfig:
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (no learning signal) and lease more prompts."""
     checkpoint_s: float = 30.0
-    """The buffer process saves its state this often (and at exit); 0 disables it."""
+    """The buffer process saves its state this often (and at exit); between saves it
+    appends what it accepts to a write-ahead log, so a restart loses nothing. 0 disables
+    both."""
+    wal_fsync: bool = False
+    """fsync the write-ahead log at every flush: survives the machine dying, not only the
+    process, at the cost of a disk sync per loop turn that accepted something."""
+    gap_timeout_s: float = 5.0
+    """A lease whose chunks stay out of order this long (one was lost, e.g. in a buffer
+    crash) is re-issued from the tokens assembled before the gap."""
+    replay_steps: int = 200
+    """Batches served to the trainer are kept (at most this many steps) until a trainer
+    checkpoint covers them, so a trainer restarted from that checkpoint gets the same
+    batches again instead of fresh ones."""
 
 
 @dataclass
@@ -57,6 +70,8 @@ class _Slot:
     versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     reward: float | None = None
+    gap_since: float | None = None
+    """When chunks after a missing one began to wait in ``pending``."""
 
 
 @dataclass
@@ -80,11 +95,12 @@ class BufferState(msgspec.Struct):
     next_lease: int
     to_lease: list[tuple[int, int]]
     ready: list[int]
-    batches: dict[int, list[list[Sample]]]
+    served: dict[int, list[list[Sample]]]
     counts: dict[str, int]
-    unscored: list[tuple[tuple[int, int], int, list[int]]]
     reward_sum: float
     staleness: dict[int, int]
+    newest_consumed_version: int = 0
+    keep_served_from: int = 0
 
 
 PromptSource = Callable[[int], tuple[int, list[int]]]
@@ -121,7 +137,10 @@ class RolloutBuffer:
         self.to_lease: deque[tuple[int, int]] = deque()  # (group_id, slot index)
         self.leases: dict[str, tuple[int, int]] = {}
         self.ready: deque[int] = deque()  # complete, scored groups in completion order
-        self.batches: dict[int, list[list[Sample]]] = {}  # step -> per-rank shares not yet served
+        # step -> per-rank shares, kept after serving until a trainer checkpoint covers the
+        # step: a rank asking again (its answer was lost, or it restarted) gets the same share.
+        self.served: dict[int, list[list[Sample]]] = {}
+        self.keep_served_from = 0  # the oldest step a restarted trainer may resume at
         self.last_seen: dict[str, float] = {}
         self.worker_versions: dict[str, int] = {}  # weights version each generator reports
         self.counts: Counter[str] = Counter()
@@ -156,6 +175,8 @@ class RolloutBuffer:
             self.counts["chunks_duplicate"] += 1
             return
         slot.pending[chunk.seq] = chunk
+        if slot.next_seq not in slot.pending and slot.gap_since is None:
+            slot.gap_since = now  # a chunk before this one is missing (late, or lost)
         while slot.next_seq in slot.pending:
             c = slot.pending.pop(slot.next_seq)
             slot.next_seq += 1
@@ -165,28 +186,40 @@ class RolloutBuffer:
             self.counts["tokens_received"] += len(c.token_ids)
             if c.finished:
                 self._finish(where[0], slot, c.finish_reason)
-                break
+                return
+        if not slot.pending:
+            slot.gap_since = None
 
     def on_heartbeat(self, worker_id: str, now: float, version: int | None = None) -> None:
         self.last_seen[worker_id] = now
         if version is not None:
             self.worker_versions[worker_id] = version
 
-    def expire(self, now: float) -> int:
-        """Re-issue leases past their deadline or held by silent generators."""
+    def expire(self, now: float) -> list[str]:
+        """The leases to re-issue now: past their deadline, held by a silent generator, or
+        stuck behind a lost chunk. ``revoke`` re-issues them (the buffer process logs the
+        list between the two, so a replay needs no clock or heartbeats)."""
         expired = []
         for lease_id, (group_id, index) in self.leases.items():
             slot = self.groups[group_id].slots[index]
             silent = now - self.last_seen.get(slot.worker_id, now) > self.cfg.heartbeat_timeout_s
-            if now > slot.deadline or silent:
+            gap = slot.gap_since is not None and now - slot.gap_since > self.cfg.gap_timeout_s
+            if now > slot.deadline or silent or gap:
                 expired.append(lease_id)
-        for lease_id in expired:
-            group_id, index = self.leases.pop(lease_id)
+        return expired
+
+    def revoke(self, lease_ids: list[str]) -> None:
+        """Take these leases back; each sample goes first in line to be leased again, with
+        the tokens already assembled as the next holder's prefix."""
+        for lease_id in lease_ids:
+            where = self.leases.pop(lease_id, None)
+            if where is None:
+                continue
+            group_id, index = where
             slot = self.groups[group_id].slots[index]
-            slot.lease_id, slot.worker_id, slot.pending = None, None, {}
+            slot.lease_id, slot.worker_id, slot.pending, slot.gap_since = None, None, {}, None
             self.to_lease.appendleft((group_id, index))  # first in line; keeps its tokens
             self.counts["leases_reissued"] += 1
-        return len(expired)
 
     # ---- trainer -------------------------------------------------------------------
     def set_version(self, version: int) -> None:
@@ -202,39 +235,64 @@ class RolloutBuffer:
         self.version = version
         self.prompts_counted = self.prompt_position = version * self.cfg.prompts_per_batch
 
+    def resume_at(self, version: int) -> None:
+        """A trainer (re)started at ``version`` (its checkpoint's step; 0 without one).
+        The version goes back there, and steps from ``version`` on are served again from
+        the batches kept for them, so the restarted trainer retrains on exactly the data
+        the dead one had taken, and nothing is counted as consumed twice. Steps no longer
+        kept get fresh groups: the gate is opened for their prompts."""
+        self.version = version
+        if not self.served:
+            return
+        newest = max(self.served)
+        missing = sum(1 for step in range(version, newest + 1) if step not in self.served)
+        self.prompts_counted -= missing * self.cfg.prompts_per_batch
+        self.counts["steps_not_replayable"] += missing
+
+    def checkpointed(self, step: int) -> None:
+        """The oldest trainer checkpoint kept is at ``step``: batches of earlier steps can
+        never be asked for again."""
+        self.keep_served_from = max(self.keep_served_from, step)
+        for old in [s for s in self.served if s < self.keep_served_from]:
+            del self.served[old]
+
     def batch_for(self, step: int, rank: int, world_size: int) -> list[Sample] | None:
-        """This rank's share of the step's batch, or None while it is not complete yet."""
-        if step not in self.batches:
+        """This rank's share of the step's batch, or None while it is not complete yet.
+        Asking again for a step gives the same share (nothing is consumed twice)."""
+        shares = self.served.get(step)
+        if shares is None:
             groups = self._take_groups(step)
             if groups is None:
                 return None
             per_group = [[self._sample(g, s) for s in g.slots] for g in groups]
-            samples = [s for group in per_group for s in group]
-            for sample in samples:
+            for sample in (s for group in per_group for s in group):
                 generated = [v for v, m in zip(sample.versions, sample.loss_mask) if m]
                 self.staleness[step - min(generated, default=step)] += 1
                 self.newest_consumed_version = max(self.newest_consumed_version, *generated, 0)
-            # Whole groups go to one rank (group-relative advantages need all of a group),
-            # groups balanced by tokens across ranks.
-            tokens = [sum(len(s.token_ids) for s in group) for group in per_group]
-            shares = split_balanced(tokens, world_size)
-            self.batches[step] = [[s for i in share for s in per_group[i]] for share in shares]
-            self.counts["samples_consumed"] += len(samples)
+            shares = self.served[step] = _split(per_group, world_size)
+            self.counts["samples_consumed"] += sum(len(g) for g in per_group)
             self.counts["groups_consumed"] += len(groups)
-        share = self.batches[step][rank]
-        self.batches[step][rank] = []
-        return share
+            while len(self.served) > max(1, self.cfg.replay_steps):
+                del self.served[min(self.served)]
+        elif len(shares) != world_size:  # a trainer restarted with another number of ranks
+            groups: dict[int, list[Sample]] = {}
+            for sample in (s for share in shares for s in share):
+                groups.setdefault(sample.group_id, []).append(sample)
+            shares = self.served[step] = _split(list(groups.values()), world_size)
+        else:
+            self.counts["batches_served_again"] += rank == 0
+        return shares[rank]
 
-    # ---- state ---------------------------------------------------------------------
+    # ---- state ----------------------------------------------------------------------
     def state(self) -> bytes:
         """The buffer's state as msgpack; ``restore`` takes it back."""
         return msgspec.msgpack.encode(BufferState(
             version=self.version, prompt_position=self.prompt_position,
             retry_prompts=list(self.retry_prompts), prompts_counted=self.prompts_counted,
             groups=list(self.groups.values()), next_group_id=self.next_group_id, next_lease=self.next_lease,
-            to_lease=list(self.to_lease), ready=list(self.ready), batches=self.batches,
-            counts=dict(self.counts), unscored=self.unscored, reward_sum=self.reward_sum,
-            staleness=dict(self.staleness),
+            to_lease=list(self.to_lease), ready=list(self.ready), served=self.served,
+            counts=dict(self.counts), reward_sum=self.reward_sum, staleness=dict(self.staleness),
+            newest_consumed_version=self.newest_consumed_version, keep_served_from=self.keep_served_from,
         ))  # fmt: skip
 
     def restore(self, data: bytes, now: float) -> None:
@@ -249,14 +307,31 @@ class RolloutBuffer:
         self.retry_prompts = deque((p, list(ids)) for p, ids in st.retry_prompts)
         self.groups = {g.group_id: g for g in st.groups}
         self.next_group_id, self.next_lease = st.next_group_id, st.next_lease
-        self.to_lease, self.ready, self.batches = deque(st.to_lease), deque(st.ready), st.batches
+        self.to_lease, self.ready, self.served = deque(st.to_lease), deque(st.ready), st.served
         self.leases = {
             s.lease_id: (g.group_id, s.index) for g in st.groups for s in g.slots if s.lease_id
         }
-        self.counts, self.unscored, self.reward_sum = Counter(st.counts), st.unscored, st.reward_sum
+        self.counts, self.reward_sum = Counter(st.counts), st.reward_sum
         self.staleness = Counter(st.staleness)
-        # Holders get a full heartbeat timeout from the restart to show they are alive.
-        self.last_seen = {s.worker_id: now for g in st.groups for s in g.slots if s.lease_id}
+        self.newest_consumed_version, self.keep_served_from = (
+            st.newest_consumed_version,
+            st.keep_served_from,
+        )
+        self.rescore()
+        self.alive_since(now)
+
+    def alive_since(self, now: float) -> None:
+        """Give every lease holder a full heartbeat timeout from ``now`` to show it is alive
+        (after a restart)."""
+        self.last_seen = {s.worker_id: now for g in self.groups.values() for s in g.slots
+                          if s.lease_id}  # fmt: skip
+
+    def rescore(self) -> None:
+        """List every finished, unscored sample in ``unscored`` again: rewards on their way
+        to a process that died never arrive, so the new one asks for them anew."""
+        self.unscored = [((g.group_id, s.index), g.prompt_id, list(s.token_ids))
+                         for g in self.groups.values() for s in g.slots
+                         if s.finish_reason is not None and s.lease_id is None and s.reward is None]  # fmt: skip
 
     # ---- accounting ----------------------------------------------------------------
     def in_flight(self) -> int:
@@ -330,6 +405,12 @@ class RolloutBuffer:
         group = self.groups.get(key[0])
         if group is None:
             return  # the group ended meanwhile (failed)
+        if group.slots[key[1]].reward is not None:
+            self.counts["rewards_duplicate"] += 1  # scored twice: the first one stands
+            return
+        if not math.isfinite(reward):  # a NaN reward would poison every advantage of the group
+            reward = 0.0
+            self.counts["reward_nonfinite"] += 1
         group.slots[key[1]].reward = reward
         self.counts["samples_scored"] += 1
         self.reward_sum += reward
@@ -371,3 +452,12 @@ class RolloutBuffer:
                       token_ids=group.prompt_ids + slot.token_ids, logprobs=[0.0] * prompt + slot.logprobs,
                       versions=[-1] * prompt + slot.versions, loss_mask=[0] * prompt + [1] * len(slot.token_ids),
                       reward=slot.reward, finish_reason=slot.finish_reason)  # fmt: skip
+
+
+def _split(per_group: list[list[Sample]], world_size: int) -> list[list[Sample]]:
+    """Whole groups to one rank (group-relative advantages need all of a group), balanced
+    by tokens across ranks."""
+    tokens = [sum(len(s.token_ids) for s in group) for group in per_group]
+    return [
+        [s for i in share for s in per_group[i]] for share in split_balanced(tokens, world_size)
+    ]

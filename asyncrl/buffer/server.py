@@ -5,16 +5,24 @@ Sockets it binds (endpoints published in ``RUN_DIR/endpoints/buffer.json``):
     chunks   PULL    Chunk and Heartbeat messages from generators
     leases   ROUTER  LeaseRequest from generators, answered with LeaseGrant once it has one
     trainer  ROUTER  BatchRequest from trainer ranks (answered with Batch once the step's
-                     batch is complete) and VersionAnnounce
+                     batch is complete; the same share again if asked again), VersionAnnounce
+                     and CheckpointAnnounce
 
 Every frame is decoded by a ``WireDecoder``; a bad frame, or a good message on the wrong
 socket, is counted by kind and dropped. Rewards (``Scoring``) come from the task's
 verifier, run in a ``RewardPool`` of worker processes (a timeout or an exception gives 0
 and is counted), from a reward model batched in a thread (``RewardModelScorer``), or from
 both, weighted (``RewardConfig.source``). On exit
-(SIGTERM or ``stop``) the counters go to ``RUN_DIR/buffer_counters.json``. Its state is
-saved to ``RUN_DIR/buffer_state.msgpack`` every ``checkpoint_s`` and at exit, and restored
-from there when the process starts again on the same run directory.
+(SIGTERM or ``stop``) the counters go to ``RUN_DIR/buffer_counters.json``.
+
+Nothing accepted is lost when the process dies, even by SIGKILL: every input goes
+through a ``Journal`` that appends it to a write-ahead log (``RUN_DIR/buffer_wal/``,
+``asyncrl.buffer.wal``) before any reply shows its effect; the state is saved to
+``RUN_DIR/buffer_state.msgpack`` every ``checkpoint_s`` and at exit, starting a fresh log
+segment. Started again on the same run directory (the launcher restarts it), the process
+restores the saved state, replays the log, and generators and trainer ranks carry on:
+they re-send requests that went unanswered, and leases stuck behind a chunk lost in the
+crash are re-issued from the tokens assembled before it.
 
     python -m asyncrl.buffer.server --config RUN_DIR/rollout.json
 """
@@ -30,20 +38,30 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import msgspec
 import zmq
 
 from asyncrl.buffer.core import RolloutBuffer
 from asyncrl.buffer.reward_model import RewardModelScorer, completion_text
 from asyncrl.buffer.rewards import RewardPool
+from asyncrl.buffer.wal import Journal, WriteAheadLog, replay
 from asyncrl.config import load_json
 from asyncrl.metrics import MetricsConfig, MetricsLogger
 from asyncrl.models import load_tokenizer
 from asyncrl.rollout import RolloutConfig, TaskPrompts
+from asyncrl.security import refused_peers
 from asyncrl.tasks import build_task
-from asyncrl.transport import bind, make_socket, write_endpoints
+from asyncrl.transport import (
+    bind,
+    close_context,
+    read_endpoints,
+    server_socket,
+    write_endpoints,
+)
 from asyncrl.wire import (
     Batch,
     BatchRequest,
+    CheckpointAnnounce,
     Chunk,
     Heartbeat,
     LeaseGrant,
@@ -52,6 +70,14 @@ from asyncrl.wire import (
     WireDecoder,
     encode,
 )
+
+
+class SavedState(msgspec.Struct):
+    """``buffer_state.msgpack``: the buffer's state and the log segment that follows it."""
+
+    wal_segment: int
+    state: bytes
+
 
 DRAIN = 1000  # messages handled per socket per loop turn, so no socket starves the others
 
@@ -99,7 +125,10 @@ class Scoring:
             ]
         return self.prompt_ids[prompt_id]
 
-    def pump(self, buffer: RolloutBuffer) -> None:
+    def pump(self, buffer: RolloutBuffer, on_reward=None) -> None:
+        """Submit the buffer's unscored samples; hand arrived rewards to ``on_reward``
+        (default ``buffer.on_reward``; the buffer process passes its journal's)."""
+        on_reward = on_reward or buffer.on_reward
         for key, prompt_id, completion in buffer.unscored:
             item = self._next_id
             self._next_id += 1
@@ -111,10 +140,10 @@ class Scoring:
                 self.reward_model.submit(item, self.prompt(prompt_id) + list(completion))
         buffer.unscored.clear()
         for item, reward in self.pool.poll():
-            self._arrive(buffer, item, "verifier", reward)
+            self._arrive(on_reward, item, "verifier", reward)
         if self.reward_model is not None:
             for item, reward in self.reward_model.poll():
-                self._arrive(buffer, item, "model", reward)
+                self._arrive(on_reward, item, "model", reward)
 
     def pending(self) -> int:
         """Samples submitted whose reward has not yet gone to the buffer."""
@@ -125,7 +154,7 @@ class Scoring:
         if self.reward_model is not None:
             self.reward_model.close()
 
-    def _arrive(self, buffer: RolloutBuffer, item: int, part: str, reward: float) -> None:
+    def _arrive(self, on_reward, item: int, part: str, reward: float) -> None:
         key, parts = self._waiting[item]
         parts[part] = reward
         if not self._parts <= parts.keys():
@@ -138,7 +167,7 @@ class Scoring:
             )
         else:
             combined = parts[part]
-        buffer.on_reward(key, combined)
+        on_reward(key, combined)
 
 
 def buffer_counters(buffer: RolloutBuffer, scoring: Scoring | None) -> dict[str, float]:
@@ -171,16 +200,24 @@ class BufferServer:
         self.cfg, self.buffer, self.scoring = cfg, buffer, scoring
         self.ctx = zmq.Context()
         t = cfg.transport
-        self.chunks = make_socket(self.ctx, zmq.PULL, t)
-        self.leases = make_socket(self.ctx, zmq.ROUTER, t)
-        self.trainer = make_socket(self.ctx, zmq.ROUTER, t)
-        self.endpoints = {name: bind(sock, t, cfg.run_dir, f"buffer-{name}")
+        self.chunks = server_socket(self.ctx, zmq.PULL, t, cfg.run_dir)
+        self.leases = server_socket(self.ctx, zmq.ROUTER, t, cfg.run_dir)
+        self.trainer = server_socket(self.ctx, zmq.ROUTER, t, cfg.run_dir)
+        for router in (self.leases, self.trainer):
+            # A restarted generator or trainer rank comes back with the same identity: it
+            # takes the route over even if the dead one's connection is not closed yet.
+            router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # A restarted buffer binds where the dead one was: peers reconnect by themselves.
+        before = read_endpoints(cfg.run_dir, "buffer", timeout_s=0) or {}
+        self.endpoints = {name: bind(sock, t, cfg.run_dir, f"buffer-{name}", before.get(name, ""))
                           for name, sock in (("chunks", self.chunks), ("leases", self.leases),
                                              ("trainer", self.trainer))}  # fmt: skip
         self.decoder = WireDecoder(cfg.run_id)
         self.lease_waiting: dict[bytes, LeaseRequest] = {}
         self.batch_waiting: dict[bytes, BatchRequest] = {}
         self.stop_event = threading.Event()
+        self.journal = Journal(buffer)  # every input to the buffer goes through it
+        self.wal: WriteAheadLog | None = None  # set up by recover()
         self.socket_counts: Counter[str] = Counter()
         self.metrics = MetricsLogger(cfg.run_dir, "buffer", MetricsConfig(progress_bar=False))
 
@@ -189,13 +226,39 @@ class BufferServer:
         return Path(self.cfg.run_dir) / "buffer_state.msgpack"
 
     def save_state(self) -> None:
+        """Save the state, naming a fresh log segment that starts at it; then drop the old
+        segments. A crash anywhere in between leaves a saved state whose segment is whole."""
+        segment = self.wal.roll() if self.wal is not None else 0
         tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_bytes(self.buffer.state())
-        os.replace(tmp, self.state_path)  # a crash mid-write leaves the previous state
+        tmp.write_bytes(msgspec.msgpack.encode(SavedState(segment, self.buffer.state())))
+        os.replace(tmp, self.state_path)
+        if self.wal is not None:
+            self.wal.drop_before(segment)
+
+    def recover(self, now: float) -> int:
+        """Restore the saved state and replay the log after it; returns the events replayed."""
+        segment, replayed = 0, 0
+        if self.state_path.exists():
+            saved = msgspec.msgpack.decode(self.state_path.read_bytes(), type=SavedState)
+            self.buffer.restore(saved.state, now)
+            segment = saved.wal_segment
+        wal_dir = Path(self.cfg.run_dir) / "buffer_wal"
+        log_file = wal_dir / f"{segment:08d}.wal"
+        if log_file.exists():
+            replayed = replay(self.buffer, log_file.read_bytes())
+            self.buffer.rescore()
+            self.buffer.alive_since(now)
+        if self.cfg.buffer.checkpoint_s:
+            self.wal = WriteAheadLog(wal_dir, segment, self.cfg.buffer.wal_fsync)
+            self.journal.log = self.wal
+            self.save_state()  # the replayed state becomes the base of a fresh segment
+        if replayed or segment:
+            print(f"[buffer] restored: {replayed} logged events replayed, version "
+                  f"{self.buffer.version}, {self.buffer.in_flight()} samples in flight", flush=True)  # fmt: skip
+        return replayed
 
     def serve(self) -> None:
-        if self.state_path.exists():
-            self.buffer.restore(self.state_path.read_bytes(), time.time())
+        self.recover(time.time())
         write_endpoints(self.cfg.run_dir, "buffer", self.endpoints)
         poller = zmq.Poller()
         for sock in (self.chunks, self.leases, self.trainer):
@@ -212,11 +275,13 @@ class BufferServer:
                 if self.trainer in ready:
                     self._drain(self.trainer, self._on_trainer_socket, now)
                 if self.scoring is not None:
-                    self.scoring.pump(self.buffer)
+                    self.scoring.pump(self.buffer, self.journal.reward)
                 if now - last_expire > 0.25:
-                    self.buffer.expire(now)
+                    self.journal.expire(now)
                     last_expire = now
                 self._answer_waiting(now)
+                if self.wal is not None:
+                    self.wal.flush()
                 if self.cfg.buffer.checkpoint_s and now - last_save > self.cfg.buffer.checkpoint_s:
                     self.save_state()
                     last_save = now
@@ -224,14 +289,15 @@ class BufferServer:
                     self._log_metrics()
                     last_metrics = now
         finally:
-            if self.cfg.buffer.checkpoint_s:
+            if self.wal is not None:
                 self.save_state()
+                self.wal.close()
             self._log_metrics()
             self._write_counters()
             self.metrics.close()
             if self.scoring is not None:
                 self.scoring.close()
-            self.ctx.destroy(linger=0)
+            close_context(self.ctx)
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -260,7 +326,7 @@ class BufferServer:
     def _on_chunk_socket(self, frames, now: float) -> None:
         msg = self._receive(frames, "chunks socket", routed=False)
         if isinstance(msg, Chunk):
-            self.buffer.on_chunk(msg, now)
+            self.journal.chunk(msg, now)
         elif isinstance(msg, Heartbeat):
             self.buffer.on_heartbeat(msg.worker_id, now, msg.version)
         else:
@@ -278,21 +344,28 @@ class BufferServer:
         if isinstance(msg, BatchRequest) and 0 <= msg.rank < msg.world_size:
             self.batch_waiting[frames[0].bytes] = msg
         elif isinstance(msg, VersionAnnounce):
-            self.buffer.set_version(msg.version)
+            self.journal.version(msg.version, msg.resumed)
+        elif isinstance(msg, CheckpointAnnounce):
+            self.journal.checkpointed(msg.step)
         else:
             self._unexpected(msg, "trainer socket")
 
     def _answer_waiting(self, now: float) -> None:
+        # What is answered is logged first: a reply never shows state a restart would lose.
         for identity, req in list(self.lease_waiting.items()):
-            leases = self.buffer.lease(req.worker_id, req.capacity, now)
+            leases = self.journal.lease(req.worker_id, req.capacity, now)
             if leases:
+                if self.wal is not None:
+                    self.wal.flush()
                 self.leases.send_multipart(
                     [identity, encode(LeaseGrant(run_id=self.cfg.run_id, leases=leases))]
                 )
                 del self.lease_waiting[identity]
         for identity, req in list(self.batch_waiting.items()):
-            samples = self.buffer.batch_for(req.step, req.rank, req.world_size)
+            samples = self.journal.batch(req.step, req.rank, req.world_size)
             if samples is not None:
+                if self.wal is not None:
+                    self.wal.flush()
                 batch = Batch(run_id=self.cfg.run_id, step=req.step, rank=req.rank, samples=samples)
                 self.trainer.send_multipart([identity, encode(batch)])
                 del self.batch_waiting[identity]
@@ -301,6 +374,7 @@ class BufferServer:
     def counters(self) -> dict[str, float]:
         out = buffer_counters(self.buffer, self.scoring)
         out.update({f"buffer/bad_frames_{k}": float(v) for k, v in self.decoder.errors.items()})
+        out["buffer/refused_peers"] = float(refused_peers(self.ctx))  # CURVE: unknown keys
         return out
 
     def _log_metrics(self) -> None:

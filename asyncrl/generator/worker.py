@@ -33,7 +33,7 @@ from asyncrl.engine.remote import generator_engine
 from asyncrl.generator.stats import GeneratorStats
 from asyncrl.metrics import MetricsLogger
 from asyncrl.rollout import RolloutConfig
-from asyncrl.transport import make_socket, read_endpoints
+from asyncrl.transport import client_socket, read_endpoints
 from asyncrl.wire import (
     Chunk,
     Heartbeat,
@@ -79,14 +79,15 @@ class GeneratorWorker:
         if endpoints is None:
             raise TimeoutError(f"the buffer never published its endpoints in {cfg.run_dir}")
         t = cfg.transport
-        self.push = make_socket(self.ctx, zmq.PUSH, t)
+        self.push = client_socket(self.ctx, zmq.PUSH, t, cfg.run_dir)
         self.push.connect(endpoints["chunks"])
-        self.dealer = make_socket(self.ctx, zmq.DEALER, t, identity=worker_id)
+        self.dealer = client_socket(self.ctx, zmq.DEALER, t, cfg.run_dir, identity=worker_id)
         self.dealer.connect(endpoints["leases"])
         self.decoder = WireDecoder(cfg.run_id)
         self.weights_decoder = WireDecoder(cfg.run_id, expected=WeightsAnnounce | WeightsOnDisk)
         self.pending: dict[str, PendingLease] = {}
-        self.asked = False  # a LeaseRequest is out and unanswered
+        self.asked = 0.0  # when the unanswered LeaseRequest went out (0: none is out)
+        self.lineage = ""  # of the weights we run (see WeightsAnnounce.lineage)
         self.stop_event = threading.Event()
         self.tokens_sent = 0
         self.stats = GeneratorStats()
@@ -129,16 +130,19 @@ class GeneratorWorker:
     def _ask_for_leases(self) -> None:
         stats = self.engine.stats()
         free = int(stats["engine/free_slots"] - stats["engine/waiting"])
-        if free > 0 and not self.asked:
+        # Asked again after a while without an answer: a buffer that died and restarted
+        # never saw the request (a repeat only replaces the first one there).
+        again = self.asked and time.monotonic() - self.asked > 5 * self.cfg.transport.heartbeat_s
+        if free > 0 and (not self.asked or again):
             req = LeaseRequest(run_id=self.cfg.run_id, worker_id=self.worker_id, capacity=free)
             self.dealer.send(encode(req))
-            self.asked = True
+            self.asked = time.monotonic()
 
     def _take_leases(self, block_ms: int) -> None:
         if not self.dealer.poll(block_ms):
             return
         msg = self.decoder.try_decode(self.dealer.recv(copy=False).buffer, "leases socket")
-        self.asked = False
+        self.asked = 0.0
         if not isinstance(msg, LeaseGrant):
             if msg is not None:
                 self.decoder.count("unexpected", f"{type(msg).__name__} on the leases socket")
@@ -223,40 +227,56 @@ class GeneratorWorker:
 
     # ---- weights -------------------------------------------------------------------
     def _receive_weights(self) -> None:
-        """Subscribe to the trainer's weights once it has published its endpoint."""
-        endpoints = None
-        while endpoints is None and not self.stop_event.is_set():
-            endpoints = read_endpoints(self.cfg.run_dir, "trainer", timeout_s=1.0)
-        if endpoints is None:
-            return
-        sub = make_socket(self.ctx, zmq.SUB, self.cfg.transport)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(endpoints["weights"])
-        decoder = self.weights_decoder
+        """Subscribe to the trainer's weights once it has published its endpoint, and again
+        whenever that endpoint changes (a restarted trainer binds anew)."""
+        endpoint = None
         while not self.stop_event.is_set():
-            if not sub.poll(200):
+            endpoints = read_endpoints(self.cfg.run_dir, "trainer", timeout_s=1.0)
+            if endpoints is None or endpoints["weights"] == endpoint:
                 continue
-            frames = sub.recv_multipart(copy=False)
-            arrived = self.stats.weights_arriving()
-            announce = decoder.try_decode(frames[0].buffer, "weights socket")
-            if announce is None:
-                self.stats.weights_dropped()
-                continue
-            if announce.version <= int(self.engine.stats()["engine/version"]):
-                self.stats.weights_dropped()  # a republish for a late joiner; we have it
-                continue
-            try:
-                if isinstance(announce, WeightsOnDisk):  # remote engines: servers load it
-                    self.engine.load_from_disk(announce.path, announce.version)
-                else:
-                    tensors = decode_tensors(announce, [f.buffer for f in frames[1:]])
-                    self.engine.stage_weights(tensors, announce.version)
-            except Exception as e:  # a bad update is counted and dropped, never fatal
-                decoder.count("frames", str(e))
-                self.stats.weights_dropped()
-                continue
-            self.stats.weights_offered(announce.version, arrived)
-        sub.close(linger=0)
+            endpoint = endpoints["weights"]
+            t = self.cfg.transport
+            sub = client_socket(self.ctx, zmq.SUB, t, self.cfg.run_dir,
+                                max_message_bytes=t.max_weights_bytes)  # fmt: skip
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(endpoint)
+            last_check = time.monotonic()
+            while not self.stop_event.is_set():
+                if sub.poll(200):
+                    self._on_weights(sub.recv_multipart(copy=False))
+                if time.monotonic() - last_check > 2.0:
+                    last_check = time.monotonic()
+                    now = read_endpoints(self.cfg.run_dir, "trainer", timeout_s=0.0)
+                    if now is not None and now["weights"] != endpoint:
+                        break
+            sub.close(linger=0)
+
+    def _on_weights(self, frames) -> None:
+        decoder = self.weights_decoder
+        arrived = self.stats.weights_arriving()
+        announce = decoder.try_decode(frames[0].buffer, "weights socket")
+        if announce is None:
+            self.stats.weights_dropped()
+            return
+        # A new lineage (a trainer restarted from a checkpoint) is taken whatever its
+        # version; from the same trainer, only newer versions (republishes are for late
+        # joiners).
+        same = announce.lineage == self.lineage
+        if same and announce.version <= int(self.engine.stats()["engine/version"]):
+            self.stats.weights_dropped()
+            return
+        try:
+            if isinstance(announce, WeightsOnDisk):  # remote engines: servers load it
+                self.engine.load_from_disk(announce.path, announce.version)
+            else:
+                tensors = decode_tensors(announce, [f.buffer for f in frames[1:]])
+                self.engine.stage_weights(tensors, announce.version)
+        except Exception as e:  # a bad update is counted and dropped, never fatal
+            decoder.count("frames", str(e))
+            self.stats.weights_dropped()
+            return
+        self.lineage = announce.lineage
+        self.stats.weights_offered(announce.version, arrived)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from asyncrl.launcher.prepare import clear_rendezvous
@@ -94,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     clear_rendezvous(args.run_dir)  # what an earlier job on this run directory left
+    os.environ["ASYNCRL_LAUNCH_ID"] = (
+        f"{os.environ.get('SLURM_JOB_ID', os.getpid())}-{time.time_ns()}"
+    )
     procs = [SlurmStep(name, argv, args.run_dir / "logs" / f"{name}.log", restartable=policy == "restart",
                        final=policy == "final", echo=policy == "final")
              for name, policy, argv in steps]  # fmt: skip

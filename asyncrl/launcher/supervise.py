@@ -1,11 +1,18 @@
 """Keep a run's processes going, the same way on one machine and inside a Slurm job.
 
-Each ``Supervised`` is one command line with its own log (``RUN_DIR/logs/NAME.log``):
-``python -m MODULE`` under ``launch/local.py``, an ``srun`` step under
-``asyncrl.launcher.slurm_job`` (which overrides how a step is stopped). ``supervise``
-polls them: a restartable one (a generator) that dies is started again and rejoins;
-any other death stops everything and prints the tail of that log; when every final one
-(the trainer) has exited 0 the rest are stopped and the run is done.
+Each ``Supervised`` is one command line with its own log (``RUN_DIR/logs/NAME.log``)
+and pid file (``RUN_DIR/pids/NAME.pid``, rewritten at each start): ``python -m MODULE``
+under ``launch/local.py``, an ``srun`` step under ``asyncrl.launcher.slurm_job`` (which
+overrides how a step is stopped). ``supervise`` polls them:
+
+- a restartable one (a generator) that dies is started again and rejoins;
+- one in a restart group that dies takes its group down and up again: the buffer alone
+  (it restores its saved state and write-ahead log), or all trainer ranks together (one
+  dead rank would hang the others in a collective; they resume from the newest
+  checkpoint), while the rest of the run keeps going;
+- any other death, or one past its restart budget, stops everything and prints the tail
+  of that log;
+- when every final one (the trainer) has exited 0, the rest are stopped: the run is done.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -44,9 +52,11 @@ class Supervised:
     whether the run ends when it exits (``final``: the trainer)."""
 
     def __init__(self, name: str, argv: list[str], log_path: Path, *, env: dict[str, str] | None = None,
-                 restartable: bool = False, final: bool = False, echo: bool = False) -> None:  # fmt: skip
+                 restartable: bool = False, final: bool = False, echo: bool = False, group: str = "",
+                 max_restarts: int = 20) -> None:  # fmt: skip
         self.name, self.argv, self.log_path, self.env = name, argv, log_path, env
         self.restartable, self.final, self.echo = restartable, final, echo
+        self.group, self.max_restarts = group, max_restarts
         self.restarts = 0
         self.proc: subprocess.Popen | None = None
         self.thread: threading.Thread | None = None
@@ -60,6 +70,9 @@ class Supervised:
         self.thread = threading.Thread(target=_tee, args=(self.proc.stdout, open(self.log_path, "ab"), echo),
                                        daemon=True)  # fmt: skip
         self.thread.start()
+        pids = self.log_path.parent.parent / "pids"
+        pids.mkdir(exist_ok=True)
+        (pids / f"{self.name}.pid").write_text(f"{self.proc.pid}\n")
 
     def poll(self) -> int | None:
         return self.proc.poll()
@@ -92,10 +105,12 @@ def stop_all(procs: list[Supervised], grace_s: float = 10.0) -> None:
             p.thread.join(timeout=2)
 
 
-def supervise(procs: list[Supervised], max_restarts: int = 20, grace_s: float = 10.0,
-              stop: threading.Event | None = None) -> int:  # fmt: skip
+def supervise(procs: list[Supervised], grace_s: float = 10.0, stop: threading.Event | None = None,
+              before_restart: Callable[[str], None] | None = None) -> int:  # fmt: skip
     """Start ``procs`` and watch them until the final ones have all exited 0 (returns 0),
-    something else died (1) or ``stop`` was set, e.g. by a signal handler (143)."""
+    something else died (1) or ``stop`` was set, e.g. by a signal handler (143).
+    ``before_restart(group)`` runs after a restart group is down, before it starts again
+    (the local launcher removes the trainer ranks' rendezvous file there)."""
     for p in procs:
         p.start()
     finals = [p for p in procs if p.final]
@@ -110,11 +125,17 @@ def supervise(procs: list[Supervised], max_restarts: int = 20, grace_s: float = 
                 continue
             if stop is not None and stop.is_set():
                 break  # deaths while stopping are the stop's doing
-            if p.restartable and p.restarts < max_restarts:
-                p.restarts += 1
-                say(f"{p.name} exited with code {code}; restart {p.restarts}; last lines of "
-                    f"{p.log_path}:\n{log_tail(p.log_path, 10)}")  # fmt: skip
-                p.start()
+            if (p.restartable or p.group) and p.restarts < p.max_restarts:
+                group = [q for q in procs if q.group == p.group] if p.group else [p]
+                say(f"{p.name} exited with code {code}; restart {p.restarts + 1} of "
+                    f"{', '.join(q.name for q in group)}; last lines of {p.log_path}:\n"
+                    f"{log_tail(p.log_path, 10)}")  # fmt: skip
+                stop_all([q for q in group if q is not p], grace_s)
+                if p.group and before_restart is not None:
+                    before_restart(p.group)
+                for q in group:
+                    q.restarts += 1
+                    q.start()
                 continue
             stop_all(procs, grace_s)
             say(

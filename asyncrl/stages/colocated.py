@@ -144,11 +144,14 @@ class ColocatedRollout:
         self.step_timing.tokens += self.engine.counters.tokens - tokens_before
         return Batch(run_id=self.run_id, step=step, rank=self.rank, samples=samples)
 
-    def announce_version(self, version: int) -> None:
+    def announce_version(self, version: int, resumed: bool = False) -> None:
         if version > 0 and self.buffer.prompt_position == 0:
             # Resumed from a checkpoint: go on as if the earlier steps had been served.
             self.buffer.start_at(version)
         self.buffer.set_version(version)
+
+    def announce_checkpoint(self, oldest_kept_step: int) -> None:
+        """Nothing to keep: this process's buffer dies with the trainer it serves."""
 
     # ---- WeightPublisher's side ------------------------------------------------------
     def publish(self, version: int, state: dict[str, torch.Tensor]) -> float:

@@ -6,6 +6,7 @@ group cleanly. A stage module exposes ``run(cfg, info)`` and calls ``stage_main(
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import sys
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from asyncrl.config import load_json
+from asyncrl.trainer.core import barrier
 from asyncrl.trainer.dist import DistInfo, all_reduce_max, init_distributed, shutdown_distributed
 
 
@@ -33,6 +35,26 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def stage_clock(run_dir: str, info: DistInfo) -> float:
+    """When this stage's training began (Unix time), the same for trainer ranks restarted
+    by the same launcher: the first trainer process of a launch writes it to
+    ``RUN_DIR/clock.json``, restarted ones read it back, so ``time_limit_s`` and the
+    ``time`` of logged records count from the first start, not from each restart. A new
+    launch (``ASYNCRL_LAUNCH_ID``, set by the launchers) starts a new clock."""
+    path, launch = Path(run_dir) / "clock.json", os.environ.get("ASYNCRL_LAUNCH_ID", "")
+    now = time.time()
+    if launch and path.exists():
+        saved = json.loads(path.read_text())
+        if saved.get("launch") == launch:
+            return float(saved["start"])
+    barrier()  # every rank has looked before rank 0 writes
+    if info.is_main and launch:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"launch": launch, "start": now}))
+        os.replace(tmp, path)
+    return now
 
 
 def out_of_time(start: float, limit_s: float, info: DistInfo) -> bool:
@@ -71,13 +93,21 @@ class ProcessSpec:
     """Trainer rank (sets RANK / WORLD_SIZE / LOCAL_RANK), or None for other processes."""
     restartable: bool = False
     """A death is repaired by starting it again (generators) rather than ending the run."""
+    group: str = ""
+    """A restart group: a death of one takes the group down and starts it again, from its
+    saved state (the buffer; the trainer ranks together, from their newest checkpoint).
+    Empty: a death ends the run (unless ``restartable``)."""
+    max_restarts: int = 20
+    """Deaths repaired before one ends the run (a process that keeps dying has a bug)."""
     threads: int = 1
     """OMP_NUM_THREADS for it."""
 
 
-def trainer_ranks(cfg, config_path: str) -> list[ProcessSpec]:
-    """The trainer ranks of a stage whose module is ``cfg.entry``."""
+def trainer_ranks(cfg, config_path: str, group: str = "") -> list[ProcessSpec]:
+    """The trainer ranks of a stage whose module is ``cfg.entry``; ``group``: restarted
+    together from the newest checkpoint when one dies (see ``ProcessSpec.group``)."""
     n = cfg.trainer.num_ranks
     threads = threads_for(cfg.trainer.threads_per_rank, n)
-    return [ProcessSpec(f"trainer_{r}", cfg.entry, ["--config", config_path], rank=r, threads=threads)
+    return [ProcessSpec(f"trainer_{r}", cfg.entry, ["--config", config_path], rank=r, threads=threads,
+                        group=group, max_restarts=5)
             for r in range(n)]  # fmt: skip

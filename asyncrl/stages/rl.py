@@ -16,6 +16,7 @@ trajectory's reward into GAE advantages and takes its value step after the publi
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -33,7 +34,13 @@ from asyncrl.metrics import MetricsConfig, MetricsLogger
 from asyncrl.models import ModelConfig, load_model, load_tokenizer
 from asyncrl.rollout import RolloutConfig, SamplingConfig
 from asyncrl.stages.colocated import ColocatedRollout
-from asyncrl.stages.common import ProcessSpec, out_of_time, stage_main, trainer_ranks
+from asyncrl.stages.common import (
+    ProcessSpec,
+    out_of_time,
+    stage_clock,
+    stage_main,
+    trainer_ranks,
+)
 from asyncrl.stages.critic import Critic, CriticConfig
 from asyncrl.stages.rl_batch import policy_loss, recompute_logprobs, to_sequences
 from asyncrl.stages.sft import Evaluator
@@ -155,18 +162,20 @@ class RLExperiment:
         return needs
 
     def processes(self, config_path: str) -> list[ProcessSpec]:
-        """The buffer, the generators (restarted when they die) and the trainer ranks; only
-        the trainer when colocated."""
+        """The buffer, the generators and the trainer ranks, each restarted when it dies
+        (the trainer ranks together); only the trainer when colocated."""
         if self.placement == "colocated":
             return trainer_ranks(self, config_path)
         rollout_path = str(Path(config_path).with_name("rollout.json"))
         save_json(self.rollout(), rollout_path)
         threads = max(1, self.engine.threads)
-        procs = [ProcessSpec("buffer", "asyncrl.buffer.server", ["--config", rollout_path])]
+        # The buffer and the trainer ranks come back from their saved state when they die.
+        procs = [ProcessSpec("buffer", "asyncrl.buffer.server", ["--config", rollout_path],
+                             group="buffer", max_restarts=5)]  # fmt: skip
         procs += [ProcessSpec(f"generator_{i}", "asyncrl.generator.worker",
                               ["--config", rollout_path, "--worker-id", f"g{i}"], restartable=True, threads=threads)
                   for i in range(self.num_generators)]  # fmt: skip
-        return procs + trainer_ranks(self, config_path)
+        return procs + trainer_ranks(self, config_path, group="trainer")
 
     @property
     def run_id(self) -> str:
@@ -192,6 +201,9 @@ def run(cfg: RLExperiment, info: DistInfo) -> dict:
         publisher = weight_publisher(cfg) if info.is_main else None
         client = BufferClient(cfg.run_dir, cfg.run_id, info.rank, cfg.transport)
     log = MetricsLogger(cfg.run_dir, "trainer", cfg.metrics, info.is_main, cfg.rl.max_steps)
+    ledger = Ledger(cfg.run_dir, info.rank)
+    # Logged times and time_limit_s count from the first trainer start, across restarts.
+    start = log.start = stage_clock(cfg.run_dir, info)
     ckpt_root = Path(cfg.run_dir) / "checkpoints"
     accuracy = resume_or_evaluate(
         core, companions, ckpt_root, cfg, evaluate, publisher, client, log
@@ -200,7 +212,7 @@ def run(cfg: RLExperiment, info: DistInfo) -> dict:
     # A frozen, unsharded copy of the starting policy on every rank when the loss has a KL term.
     reference = load_model(cfg.model, info.device).eval() if cfg.rl.loss.kl_coef else None
     loss_fn, republish = policy_loss(cfg, temperature), getattr(publisher, "republish", None)
-    start, stop = time.time(), False
+    stop = False
     while core.step < cfg.rl.max_steps and not stop:
         # 1. my share of this step's batch (whole groups, at most max_staleness old)
         wait = time.perf_counter()
@@ -213,8 +225,10 @@ def run(cfg: RLExperiment, info: DistInfo) -> dict:
         recompute_logprobs(core, micro, reference, temperature)
         # 3. PPO with a critic: values before any update, then GAE advantages
         critic_scalars = critic.advantages(critic.values(micro)) if critic is not None else {}
-        # 4. one decoupled-PPO step
+        # 4. one decoupled-PPO step (a non-finite one changes nothing, yet takes the
+        #    batch's version, so step, batch and version stay one to one)
         stats = core.train_step(micro, loss_fn)
+        core.step += stats.skipped
         # 5. publish version v+1 to the generators and announce it to the buffer
         state = core.full_state_dict()
         sync_s = publisher.publish(core.step, state) if publisher is not None else 0.0
@@ -222,6 +236,7 @@ def run(cfg: RLExperiment, info: DistInfo) -> dict:
             client.announce_version(core.step)
         if critic is not None:  # after publishing, so generators need not wait for it
             critic_scalars |= critic.train(micro)
+        ledger.write(core.step - 1, batch.samples)
         rewards = [s.reward for s in batch.samples]
         scalars = {"train/loss": stats.loss, "train/grad_norm": stats.grad_norm, "train/lr": stats.lr,
                    "train/tokens": stats.tokens, "train/tokens_per_s": stats.tokens / stats.seconds,
@@ -244,6 +259,8 @@ def run(cfg: RLExperiment, info: DistInfo) -> dict:
         every = cfg.trainer.checkpoint_every
         if (every and core.step % every == 0) or last:
             save_checkpoint(core, ckpt_root, {}, cfg.trainer.keep_checkpoints, companions)
+            if info.is_main:  # the buffer may forget the batches before the oldest one kept
+                client.announce_checkpoint(oldest_checkpoint_step(ckpt_root))
     if cfg.rl.export_dir:
         export_hf(core, cfg.rl.export_dir)
     summary = {"steps": core.step, "train_time_s": round(time.time() - start, 2),
@@ -251,6 +268,7 @@ def run(cfg: RLExperiment, info: DistInfo) -> dict:
                "export_dir": cfg.rl.export_dir}  # fmt: skip
     log.write_summary(summary)
     log.close()
+    ledger.close()
     client.close()
     if publisher is not None:
         publisher.close()
@@ -272,8 +290,38 @@ def resume_or_evaluate(core, companions, ckpt_root, cfg, evaluate, publisher, cl
         if publisher is not None:
             publisher.publish(core.step, state)
     if core.info.is_main:
-        client.announce_version(core.step)
+        # Resumed, also at 0: the buffer serves again the batches of steps this trainer
+        # has yet to take, which an earlier trainer process of the run may have taken.
+        client.announce_version(core.step, resumed=True)
     return accuracy
+
+
+def oldest_checkpoint_step(ckpt_root: Path) -> int:
+    """The step of the oldest checkpoint kept (a corrupt newer one makes a restart fall
+    back to it)."""
+    steps = [int(p.name.removeprefix("step_")) for p in ckpt_root.glob("step_*")
+             if p.is_dir() and p.suffix != ".tmp"]  # fmt: skip
+    return min(steps, default=0)
+
+
+class Ledger:
+    """``RUN_DIR/ledger/rank{r}.jsonl``: per step, the (group id, sample index) of every
+    sample this rank trained on. A restarted trainer writes the steps it redoes again
+    (the last line of a step wins); ``tools/chaos.py`` checks from it that no sample was
+    lost or trained on twice."""
+
+    def __init__(self, run_dir: str, rank: int) -> None:
+        path = Path(run_dir) / "ledger" / f"rank{rank}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(path, "a")
+
+    def write(self, step: int, samples) -> None:
+        keys = [[s.group_id, s.sample_index] for s in samples]
+        self.file.write(json.dumps({"step": step, "time": time.time(), "samples": keys}) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import os
 import re
 import shutil
 import time
@@ -35,13 +36,25 @@ import torch
 import zmq
 
 from asyncrl.engine.servers import free_port, write_weights_dir
-from asyncrl.transport import advertised_host, bind, make_socket, read_endpoints, write_endpoints
+from asyncrl.transport import (
+    advertised_host,
+    bind,
+    close_context,
+    read_endpoints,
+    server_socket,
+    write_endpoints,
+)
 from asyncrl.wire import WeightsOnDisk, encode, encode_tensors
 
 log = logging.getLogger(__name__)
 
 KEEP_VERSIONS = 2
 """Weight directories kept on disk; older ones are deleted after each publish."""
+
+
+def new_lineage() -> str:
+    """An id for this trainer process's weights (see ``WeightsAnnounce.lineage``)."""
+    return f"{os.getpid()}-{time.time_ns()}"
 
 
 def weight_publisher(cfg):
@@ -56,7 +69,7 @@ def weight_publisher(cfg):
 def _pub_socket(cfg) -> tuple[zmq.Context, zmq.Socket]:
     """Rank 0's PUB socket, its endpoint written where generators find it."""
     ctx = zmq.Context()
-    sock = make_socket(ctx, zmq.PUB, cfg.transport)
+    sock = server_socket(ctx, zmq.PUB, cfg.transport, cfg.run_dir)
     endpoint = bind(sock, cfg.transport, cfg.run_dir, "trainer-weights")
     write_endpoints(cfg.run_dir, "trainer", {"weights": endpoint})
     return ctx, sock
@@ -67,12 +80,13 @@ class WeightPublisher:
 
     def __init__(self, cfg) -> None:
         self.ctx, self.sock = _pub_socket(cfg)
-        self.run_id = cfg.run_id
+        self.run_id, self.lineage = cfg.run_id, new_lineage()
         self.last: tuple[int, dict[str, torch.Tensor]] | None = None
 
     def publish(self, version: int, state: dict[str, torch.Tensor]) -> float:
         start = time.perf_counter()
-        self.sock.send_multipart(encode_tensors(version, self.run_id, state), copy=False)
+        frames = encode_tensors(version, self.run_id, state, self.lineage)
+        self.sock.send_multipart(frames, copy=False)
         self.last = (version, state)
         return time.perf_counter() - start
 
@@ -83,7 +97,7 @@ class WeightPublisher:
             self.publish(*self.last)
 
     def close(self) -> None:
-        self.ctx.destroy(linger=1000)
+        close_context(self.ctx, linger=1000)
 
 
 class DiskWeightPublisher:
@@ -93,6 +107,7 @@ class DiskWeightPublisher:
     def __init__(self, cfg, keep: int = KEEP_VERSIONS) -> None:
         self.ctx, self.sock = _pub_socket(cfg)
         self.run_id, self.model_path, self.keep = cfg.run_id, cfg.model.path, keep
+        self.lineage = new_lineage()
         self.root = (Path(cfg.run_dir) / "weights").resolve()
         self.last: WeightsOnDisk | None = None
 
@@ -100,7 +115,9 @@ class DiskWeightPublisher:
         start = time.perf_counter()
         path = write_weights_dir(state, self.model_path, self.root / f"v{version}")
         self.prune()
-        self.last = WeightsOnDisk(run_id=self.run_id, version=version, path=str(path))
+        self.last = WeightsOnDisk(
+            run_id=self.run_id, version=version, path=str(path), lineage=self.lineage
+        )
         self.sock.send(encode(self.last))
         return time.perf_counter() - start
 
@@ -112,13 +129,15 @@ class DiskWeightPublisher:
     def prune(self) -> None:
         """Delete all but the newest ``keep`` version directories. A generator still
         loading a deleted one fails that update and loads the next announced one."""
-        versions = sorted(int(m[1]) for p in self.root.iterdir()
-                          if (m := re.fullmatch(r"v(\d+)", p.name)))  # fmt: skip
-        for v in versions[: -self.keep]:
-            shutil.rmtree(self.root / f"v{v}", ignore_errors=True)
+        # Newest by time, not by number: a trainer restarted from a checkpoint publishes
+        # versions lower than the dead one's, and those are the ones in use.
+        dirs = sorted((p for p in self.root.iterdir() if re.fullmatch(r"v\d+", p.name)),
+                      key=lambda p: p.stat().st_mtime_ns)  # fmt: skip
+        for old in dirs[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
 
     def close(self) -> None:
-        self.ctx.destroy(linger=1000)
+        close_context(self.ctx, linger=1000)
 
 
 class NcclWeightPublisher:
