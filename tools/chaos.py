@@ -1,0 +1,329 @@
+"""A chaos run: an experiment trained while its processes are killed, then its books checked.
+
+    python tools/chaos.py [--experiment experiments/tiny_grpo.py] [--minutes 10] \
+        [--generator-kills 12] [--trainer-kills 1] [--buffer-kills 1] [--seed 0] \
+        [--target 0.5] [--checkpoint-every 10] [--out runs/chaos/NAME] [--set KEY=VALUE ...]
+
+Starts ``launch/local.py EXPERIMENT run_dir=OUT time_limit_s=MINUTES*60
+trainer.checkpoint_every=K`` (its output in ``OUT/launch.log``), waits for the first
+trainer step, then SIGKILLs on a schedule drawn from ``--seed``: generators (a random one
+each time) spread over the run at least ``--generator-gap`` s apart, and the trainer (one
+rank) and the buffer in the middle half of the run, at least ``--other-gap`` s from each
+other. A kill takes the pid from ``OUT/pids/NAME.pid`` only after ``/proc`` shows that
+process alive and running this run's module (a stale pid file never kills anything
+else), and waits for the launcher to start a new one. When the launcher has exited, the
+figures come from the run directory:
+
+    launcher_exit, restarts / kills          its exit code; restarts it logged per role
+    accounting_holds                         created = consumed + stale + filtered + failed
+                                             + in flight (buffer_counters.json)
+    lost, duplicated, lineage_samples        from the ledger's final lineage (the last line
+    missing_steps                            of each (rank, step) below the final step):
+                                             consumed samples not in it, samples in it more
+                                             than once, steps absent from it
+    batches_served_again, steps_not_replayable, leases_reissued   buffer counters
+    accuracy_initial/final/peak, seconds_to_target, target_reached, trainer_wall_s
+                                             held-out evaluations; seconds from the first
+                                             trainer's start (seen by polling metrics.jsonl);
+                                             reached: by the time limit + GRACE_S
+    kill_log                                 per kill: time_s (after the first step), name,
+                                             pid, step, restarted_after_s (a new pid),
+                                             recovered_after_s (the trainer past that step)
+
+Ends with one JSON line; exits 1 naming the failed checks when any fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+MODULES = {"buffer": "asyncrl.buffer.server", "generator": "asyncrl.generator.worker",
+           "trainer": "asyncrl.stages."}  # fmt: skip
+"""What ``-m`` a process of each role runs (the trainer's module is the stage's)."""
+GRACE_S = 60.0
+"""After the time limit, for the final step and evaluation to land."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--experiment", default="experiments/tiny_grpo.py")
+    p.add_argument("--minutes", type=float, default=10.0, help="the run's time limit")
+    p.add_argument("--generator-kills", type=int, default=12)
+    p.add_argument("--trainer-kills", type=int, default=1)
+    p.add_argument("--buffer-kills", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
+    p.add_argument("--target", type=float, default=0.5, help="held-out accuracy to reach")
+    p.add_argument("--checkpoint-every", type=int, default=10, help="trainer.checkpoint_every")
+    p.add_argument("--generator-gap", type=float, default=10.0, help="min s between generator kills")  # fmt: skip
+    p.add_argument("--other-gap", type=float, default=30.0, help="min s between trainer/buffer kills")  # fmt: skip
+    p.add_argument("--out", default="", help="run directory (default runs/chaos/NAME-TIME)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="experiment overrides")
+    return p.parse_args(argv)
+
+
+def spaced(rng: random.Random, n: int, lo: float, hi: float, gap: float) -> list[float]:
+    """``n`` sorted uniform times in [lo, hi], consecutive ones at least ``gap`` apart
+    (squeezed when the window is too short for that)."""
+    gap = min(gap, (hi - lo) / max(n - 1, 1))
+    free = hi - lo - gap * max(n - 1, 0)
+    return [lo + x + i * gap for i, x in enumerate(sorted(rng.uniform(0, free) for _ in range(n)))]
+
+
+def schedule(args, rng: random.Random, generators: int, ranks: int) -> list[tuple[float, str]]:
+    """(seconds after the first step, process name), in time order."""
+    span = args.minutes * 60
+    out = [(t, f"generator_{rng.randrange(generators)}")
+           for t in spaced(rng, args.generator_kills, 0.05 * span, 0.8 * span, args.generator_gap)]  # fmt: skip
+    others = ["buffer"] * args.buffer_kills + ["trainer"] * args.trainer_kills
+    rng.shuffle(others)
+    for t, role in zip(spaced(rng, len(others), 0.25 * span, 0.75 * span, args.other_gap), others):
+        out.append((t, "buffer" if role == "buffer" else f"trainer_{rng.randrange(ranks)}"))
+    return sorted(out)
+
+
+class MetricsTail:
+    """``metrics.jsonl`` read as it grows; each record stamped with when it was first seen."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path, self.offset, self.records = run_dir / "metrics.jsonl", 0, []
+
+    def poll(self) -> None:
+        if not self.path.exists():
+            return
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        whole = data[: data.rfind(b"\n") + 1]  # a line still being written waits
+        self.offset += len(whole)
+        for line in whole.splitlines():
+            try:
+                self.records.append({**json.loads(line), "seen": time.time()})
+            except json.JSONDecodeError:
+                continue  # a line torn by a SIGKILL
+
+    def trainer(self, key: str = "") -> list[dict]:
+        """The trainer's records (those holding ``key``, when given)."""
+        return [r for r in self.records if r["process"] == "trainer" and (not key or key in r)]
+
+    def step(self) -> int:
+        return max((r["step"] for r in self.trainer("train/loss")), default=0)
+
+
+def role_of(name: str) -> str:
+    return name.rsplit("_", 1)[0] if name[-1].isdigit() else name
+
+
+def live_pid(run_dir: Path, name: str) -> int | None:
+    """The pid in ``pids/NAME.pid`` if that process is alive and is NAME of this run."""
+    try:
+        pid = int((run_dir / "pids" / f"{name}.pid").read_text())
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    except (OSError, ValueError, IndexError):
+        return None
+    if state in "ZX" or "-m" not in argv or argv.index("-m") + 1 >= len(argv):
+        return None
+    module = argv[argv.index("-m") + 1]
+    ours = any(a.startswith(str(run_dir) + "/") for a in argv)  # its --config is in this run
+    worker = not name.startswith("generator_") or f"g{name.rsplit('_', 1)[1]}" in argv
+    return pid if module.startswith(MODULES[role_of(name)]) and ours and worker else None
+
+
+def kill(run_dir: Path, name: str, launcher: subprocess.Popen, tail: MetricsTail, t0: float) -> dict:  # fmt: skip
+    """SIGKILL NAME once it is alive, then wait for the launcher to start it again."""
+    record: dict[str, Any] = {"name": name, "role": role_of(name)}
+    deadline = time.time() + 120
+    while (pid := live_pid(run_dir, name)) is None and time.time() < deadline and launcher.poll() is None:  # fmt: skip
+        time.sleep(0.2)  # e.g. still coming back from an earlier kill
+    if (run_dir / "summary.json").exists() or launcher.poll() is not None:
+        return {**record, "error": "the run had ended"}  # its processes are being stopped
+    if pid is None:
+        return {**record, "error": "no live process to kill"}
+    tail.poll()
+    os.kill(pid, signal.SIGKILL)
+    record.update(time_s=round(time.time() - t0, 1), pid=pid, step=tail.step())
+    print(f"[chaos] {record['time_s']:7.1f} s  SIGKILL {name} (pid {pid}) at step {record['step']}",
+          file=sys.stderr, flush=True)  # fmt: skip
+    deadline = time.time() + 180
+    while time.time() < deadline and launcher.poll() is None:
+        new = live_pid(run_dir, name)
+        if new is not None and new != pid:
+            record["restarted_after_s"] = round(time.time() - t0 - record["time_s"], 1)
+            break
+        time.sleep(0.2)
+    return record
+
+
+def launcher_restarts(log: str) -> Counter:
+    """Restarts the launcher logged, by role of the process that died."""
+    died = re.findall(r"\[launch\] (\S+) exited with code -?\d+; restart", log)
+    return Counter(role_of(name) for name in died)
+
+
+def lineage(run_dir: Path, steps: int) -> dict[str, Any]:
+    """The final lineage: the last ledger line of each (rank, step) below ``steps``."""
+    final: dict[tuple[int, int], list] = {}
+    for path in sorted((run_dir / "ledger").glob("rank*.jsonl")):
+        rank = int(path.stem.removeprefix("rank"))
+        for line in path.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # torn by a SIGKILL: that step was redone
+            final[(rank, entry["step"])] = entry["samples"]
+    kept = {k: v for k, v in final.items() if k[1] < steps}
+    keys = Counter(tuple(s) for samples in kept.values() for s in samples)
+    present = {step for _, step in kept}
+    return {"lineage_samples": sum(keys.values()), "lineage_distinct": len(keys),
+            "duplicated": sum(1 for c in keys.values() if c > 1),
+            "missing_steps": [s for s in range(steps) if s not in present],
+            "ledger_steps_beyond_final": len(final) - len(kept)}  # fmt: skip
+
+
+def accuracy(tail: MetricsTail, summary: dict, target: float, limit_s: float) -> dict[str, Any]:
+    """Held-out accuracy; times on the first trainer's clock, as seen here. A restarted
+    trainer's time limit starts again, so the run overruns ``limit_s``: the target counts
+    as reached only by ``limit_s + GRACE_S`` (the final evaluation comes after the limit)."""
+    evals, first = tail.trainer("eval/accuracy"), tail.trainer()
+    anchor = first[0]["seen"] - first[0]["time"] if first else 0.0
+    reached = next((r for r in evals if r["eval/accuracy"] >= target - 1e-9), None)
+    seconds = round(reached["seen"] - anchor, 1) if reached else None
+    final = summary.get("final_eval_accuracy")
+    return {"accuracy_initial": evals[0]["eval/accuracy"] if evals else None,
+            "accuracy_final": final if final is not None else (evals[-1]["eval/accuracy"] if evals else None),
+            "accuracy_peak": max((r["eval/accuracy"] for r in evals), default=None),
+            "trainer_wall_s": round(first[-1]["seen"] - anchor, 1) if first else None,
+            "seconds_to_target": seconds,
+            "target_reached": seconds is not None and seconds <= limit_s + GRACE_S}  # fmt: skip
+
+
+def wait_for_first_step(launcher: subprocess.Popen, tail: MetricsTail, timeout_s: float) -> bool:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and launcher.poll() is None:
+        tail.poll()
+        if tail.trainer("train/loss"):
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def sleep_until(when: float, launcher: subprocess.Popen, tail: MetricsTail) -> None:
+    while time.time() < when and launcher.poll() is None:
+        tail.poll()
+        time.sleep(min(0.5, max(0.0, when - time.time())))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    name = f"{Path(args.experiment).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(args.out or f"runs/chaos/{name}").resolve()
+    if run_dir.exists() and any(run_dir.iterdir()):
+        print(f"error: {run_dir} is not empty (a relaunch would resume it)", file=sys.stderr)
+        return 2
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(ROOT / "launch" / "local.py"), args.experiment, f"run_dir={run_dir}",
+           f"time_limit_s={args.minutes * 60:g}", f"trainer.checkpoint_every={args.checkpoint_every}", *args.set]  # fmt: skip
+    log = open(run_dir / "launch.log", "w")
+    launcher = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    tail, kills, failed, t0 = MetricsTail(run_dir), [], [], time.time()
+    try:
+        if not wait_for_first_step(launcher, tail, timeout_s=900):
+            failed.append("never_started")
+        else:
+            t0 = time.time()
+            cfg = json.loads((run_dir / "config.json").read_text())
+            rng = random.Random(args.seed)
+            plan = schedule(args, rng, cfg["num_generators"], cfg["trainer"]["num_ranks"])
+            for at, target in plan:
+                sleep_until(t0 + at, launcher, tail)
+                if launcher.poll() is not None:
+                    break
+                kills.append(kill(run_dir, target, launcher, tail, t0))
+        # A restarted trainer's time limit starts again: allow for it.
+        deadline = time.time() + 2 * args.minutes * 60 + 600
+        sleep_until(deadline, launcher, tail)
+        failed += ["launcher_timeout"] * (launcher.poll() is None)
+    finally:
+        if launcher.poll() is None:  # SIGTERM: the launcher stops every process of the run
+            launcher.send_signal(signal.SIGTERM)
+            launcher.wait(timeout=60)
+        log.close()
+    tail.poll()
+    recovery(kills, tail, t0)
+    return check(args, run_dir, launcher.returncode, kills, tail, failed)
+
+
+def recovery(kills: list[dict], tail: MetricsTail, t0: float) -> None:
+    """Per kill, seconds until the trainer first logged a step past the one it was at."""
+    steps = [(r["seen"] - t0, r["step"]) for r in tail.trainer("train/loss")]
+    for k in (k for k in kills if "pid" in k):
+        after = [t for t, step in steps if t > k["time_s"] and step > k["step"]]
+        k["recovered_after_s"] = round(after[0] - k["time_s"], 1) if after else None
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def books(counters: dict, lineage_figures: dict) -> dict[str, Any]:
+    """The buffer's counters, its accounting identity, and the lineage against them."""
+    c = {k: int(counters.get(f"buffer/{k}", 0)) for k in (
+        "samples_created", "samples_consumed", "samples_stale", "samples_filtered", "samples_failed",
+        "in_flight_samples", "batches_served_again", "steps_not_replayable", "leases_reissued")}  # fmt: skip
+    ended = sum(c[f"samples_{k}"] for k in ("consumed", "stale", "filtered", "failed"))
+    consumed, trained = c["samples_consumed"], lineage_figures["lineage_distinct"]
+    return {**c, "accounting_holds": bool(counters) and c["samples_created"] == ended + c["in_flight_samples"],
+            **lineage_figures, "lost": max(0, consumed - trained),
+            "trained_not_consumed": max(0, trained - consumed)}  # fmt: skip
+
+
+def check(args, run_dir: Path, code: int, kills: list[dict], tail: MetricsTail, failed: list[str]) -> int:  # fmt: skip
+    summary = read_json(run_dir / "summary.json")
+    steps = int(summary.get("steps", 0))
+    done = [k for k in kills if "pid" in k]
+    killed = Counter(k["role"] for k in done)
+    restarts = launcher_restarts((run_dir / "launch.log").read_text(errors="replace"))
+    last_kill_step = max((k["step"] for k in done), default=0)
+    figures: dict[str, Any] = {
+        "run_dir": str(run_dir), "launcher_exit": code, "steps": steps,
+        "kills": {r: killed[r] for r in MODULES}, "restarts": {r: restarts[r] for r in MODULES},
+        "kills_failed": len(kills) - len(done),
+        "kills_not_restarted": sum("restarted_after_s" not in k for k in done),
+        "step_at_last_kill": last_kill_step,
+        **books(read_json(run_dir / "buffer_counters.json"), lineage(run_dir, steps)),
+        **accuracy(tail, summary, args.target, args.minutes * 60), "target": args.target,
+        "kill_log": kills,
+    }  # fmt: skip
+    wanted = {"generator": args.generator_kills, "trainer": args.trainer_kills, "buffer": args.buffer_kills}  # fmt: skip
+    checks = {
+        f"launcher_exit_{code}": code != 0,
+        **{f"{r}_kills_{killed[r]}_of_{n}": killed[r] < n for r, n in wanted.items()},
+        **{f"{r}_restarts": restarts[r] < killed[r] for r in MODULES},
+        "kills_not_restarted": figures["kills_not_restarted"] > 0,
+        "accounting": not figures["accounting_holds"],
+        "lost": figures["lost"] != 0,
+        "duplicated": figures["duplicated"] != 0,
+        "trained_not_consumed": figures["trained_not_consumed"] != 0,
+        "missing_steps": bool(figures["missing_steps"]),
+        "no_steps_after_last_kill": steps <= last_kill_step,
+        "target_not_reached": not figures["target_reached"],
+    }
+    figures["failed"] = failed + [name for name, bad in checks.items() if bad]
+    print(json.dumps(figures))
+    return 1 if figures["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
