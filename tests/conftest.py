@@ -40,3 +40,14 @@ def dist_info(tmp_path_factory):
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     return init_distributed("cpu", str(tmp_path_factory.mktemp("rdv") / "rendezvous"))
+
+
+def wait_for_ranks(procs, timeout_s: float = 300) -> list[str]:
+    """Wait for trainer-rank subprocesses (text stdout piped); each must exit 0, else the
+    tail of its output is the failure message. Returns their outputs."""
+    outputs = []
+    for p in procs:
+        output, _ = p.communicate(timeout=timeout_s)
+        assert p.returncode == 0, output[-3000:]
+        outputs.append(output)
+    return outputs

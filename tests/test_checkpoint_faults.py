@@ -29,6 +29,7 @@ from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import NonFiniteError, TrainerCore
 from asyncrl.trainer.packing import MicroBatch, make_micro_batches
 
+from .conftest import wait_for_ranks
 from .fsdp_worker import loss_fn, synthetic_sequences
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -331,9 +332,7 @@ def test_two_ranks_agree_on_the_checkpoint(tiny_model_dir, tmp_path):
                 text=True,
             )
         )
-    for p in procs:
-        output, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, output[-3000:]
+    wait_for_ranks(procs)
     results = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(2)]
     for picked, stage, error in results:
         assert (picked, stage) == ("step_00000001", {"position": 1})

@@ -22,6 +22,7 @@ from asyncrl.trainer.packing import (
     split_balanced,
 )
 
+from .conftest import wait_for_ranks
 from .fsdp_worker import loss_fn, synthetic_sequences
 
 HERE = Path(__file__).resolve().parent
@@ -118,9 +119,7 @@ def _run_ranks(world: int, model_dir: str, tmp_path: Path, steps: int = 3) -> di
                 text=True,
             )
         )
-    for p in procs:
-        output, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, output[-3000:]
+    wait_for_ranks(procs)
     return torch.load(out)
 
 
