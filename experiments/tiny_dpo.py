@@ -1,7 +1,8 @@
-"""DPO on the tiny addition task: the tiny_sft policy trained on pairs of its own
-samples (correct against incorrect by the verifier; the same pairs as tiny_rm, made
-when missing) against itself as the frozen reference, with greedy held-out accuracy on
-the task as the figure. The loss is DPO plus RPO's NLL term on the chosen completion. The launcher runs tiny_sft first when its checkpoint is missing.
+"""DPO on the tiny addition task: the tiny_sft policy trained on pairs of its own samples
+(correct against incorrect by the verifier, made when missing) against itself as the
+frozen reference, with greedy held-out accuracy on the task as the figure. The loss is
+DPO plus RPO's NLL term on the chosen completion. The launcher runs tiny_sft first when
+its checkpoint is missing.
 """
 
 from pathlib import Path
@@ -11,18 +12,26 @@ from asyncrl.config import load_experiment
 from asyncrl.evaluation import EvalConfig
 from asyncrl.models import ModelConfig
 from asyncrl.stages.dpo import DPOExperiment
+from asyncrl.stages.preference_data import PreferenceDataConfig
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 
 SFT_FILE = Path(__file__).with_name("tiny_sft.py")
 sft = load_experiment(SFT_FILE)
-rm = load_experiment(Path(__file__).with_name("tiny_rm.py"))
 
 config = DPOExperiment(
     name="tiny_dpo",
     init_from_experiment=str(SFT_FILE),
     model=ModelConfig(path=sft.sft.export_dir),
     task=sft.task,
-    data=rm.data,
+    # The policy's own samples: 8 at T = 1 per unseen problem, each completion in one pair
+    # (1,506 train pairs, 135 eval pairs).
+    data=PreferenceDataConfig(
+        train_path="runs/data/tiny-prefs/train.jsonl",
+        eval_path="runs/data/tiny-prefs/eval.jsonl",
+        prompt_split="unseen",
+        samples_per_prompt=8,
+        max_pairs_per_prompt=2,
+    ),
     # Measured from the 40.5% SFT start, 300 steps: plain DPO at lr 1e-4 fell to 22-35%
     # (both completions' likelihoods fell while their gap grew), at 2e-5 it ended at 46.5%
     # after swinging between 38% and 46.5%; with RPO's NLL term on the chosen completion

@@ -69,6 +69,16 @@ def test_pairs_zip_distinct_correct_with_distinct_incorrect():
     assert preference_pairs(["a", "b"], [0.0, 0.5], 3) == []
 
 
+def test_all_pairing_meets_each_correct_with_each_incorrect():
+    texts = ["a", "b", "a", "c", "d", "e", "b"]
+    scores = [1.0, 0.0, 1.0, 1.0 - 1e-7, 0.9, 1.0, 0.0]
+    # correct: a, c, e; incorrect: b, d
+    pairs = [("a", "b"), ("c", "b"), ("e", "b"), ("a", "d"), ("c", "d"), ("e", "d")]
+    assert preference_pairs(texts, scores, 10, "all") == pairs
+    assert preference_pairs(texts, scores, 4, "all") == pairs[:4]
+    assert preference_pairs(["a", "b"], [1.0, 1.0], 3, "all") == []
+
+
 def test_rows_are_graded_pairs_with_held_out_eval_prompts(parity, tiny_model_dir, tmp_path):
     cfg = _config(tmp_path)
     stats = make_preference_data(tiny_model_dir, TASK_CFG, cfg)

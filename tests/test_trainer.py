@@ -59,6 +59,29 @@ def test_lr_schedule_warmup_then_cosine_floor():
     assert f(14) == pytest.approx(0.1) and f(100) == pytest.approx(0.1)
 
 
+def test_the_scalar_head_gets_its_own_learning_rate(dist_info, tiny_model_dir):
+    """``optim.head_lr``: Adam's first step moves each parameter by lr · sign(grad), so the
+    zero-initialised ``score`` head moves by head_lr and, from the second step on (a zero
+    head sends no gradient into the backbone), the backbone by at most lr."""
+    cfg = OptimConfig(lr=1e-5, head_lr=1e-2, warmup_steps=0, total_steps=10, max_grad_norm=0)
+    model_cfg = ModelConfig(path=tiny_model_dir, head="value")
+    core = TrainerCore(model_cfg, TrainerConfig(micro_batch_tokens=512), cfg, dist_info, 0)
+    seqs = synthetic_sequences(8, core.model.config.vocab_size, seed=3)
+    mbs = make_micro_batches(seqs, 512, "packed", 0)
+
+    def step() -> dict[str, float]:
+        before = {n: p.detach().clone() for n, p in core.model.named_parameters()}
+        core.train_step(mbs, lambda head, mb: ((head[..., 0] * mb.loss_mask).sum(), {}))
+        return {n: (p.detach() - before[n]).abs().max().item()
+                for n, p in core.model.named_parameters()}  # fmt: skip
+
+    first, second = step(), step()
+    assert first["score.weight"] == pytest.approx(1e-2, rel=1e-3)
+    backbone = [n for n in first if not n.startswith("score.")]
+    assert max(first[n] for n in backbone) == 0.0
+    assert 0 < max(second[n] for n in backbone) <= 1.01e-5
+
+
 def _grads(core: TrainerCore) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in core.model.named_parameters():

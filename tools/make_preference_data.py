@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
             "--" + name.replace("_", "-"), type=int, default=getattr(defaults, name)
         )
     parser.add_argument("--temperature", type=float, default=defaults.temperature)
+    parser.add_argument("--train-pairing", choices=["zip", "all"], default=defaults.train_pairing)
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the experiment")
     args = parser.parse_args(argv)
     try:
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         samples_per_prompt=args.samples_per_prompt, temperature=args.temperature,
         max_new_tokens=args.max_new_tokens, max_pairs_per_prompt=args.max_pairs_per_prompt,
         seed=args.seed, threads=args.threads, max_slots=args.max_slots,
+        train_pairing=args.train_pairing,
     )  # fmt: skip
     stats = make_preference_data(args.policy, experiment.task, cfg)
     print(json.dumps(stats), flush=True)

@@ -81,8 +81,13 @@ class PairStageExperiment:
         return trainer_ranks(self, config_path)
 
     def prerequisites(self) -> list[tuple[str, str]]:
-        """(path, experiment file that makes it) pairs the launchers check before starting."""
-        return [(self.model.path, self.init_from_experiment)] if self.init_from_experiment else []
+        """(path, experiment file that makes it) pairs the launchers check before starting:
+        the starting model, and the policy the pairs come from while the pairs are missing."""
+        needs = [(self.model.path, self.init_from_experiment)] if self.init_from_experiment else []
+        pairs = Path(self.data.train_path).exists() and Path(self.data.eval_path).exists()
+        if self.data.policy and self.data.policy_experiment and not pairs:
+            needs.append((self.data.policy, self.data.policy_experiment))
+        return needs
 
     def finalize(self) -> None:
         """Derived values, computed here and nowhere else."""
@@ -104,7 +109,7 @@ def ensure_pairs(cfg: PairStageExperiment, info: DistInfo) -> None:
         Path(cfg.data.train_path).exists() and Path(cfg.data.eval_path).exists()
     ):
         started = time.time()
-        counts = make_preference_data(cfg.model.path, cfg.task, cfg.data)
+        counts = make_preference_data(cfg.data.policy or cfg.model.path, cfg.task, cfg.data)
         print(f"made preference pairs in {time.time() - started:.0f} s: {counts}", flush=True)
     barrier()
 

@@ -50,6 +50,13 @@ class PreferenceDataConfig:
     """JSONL output of the train pairs (from ``prompt_split``)."""
     eval_path: str
     """JSONL output of the eval pairs (from the task's "eval" split)."""
+    policy: str = ""
+    """HF directory of the policy the pairs are sampled from; empty means the stage's
+    ``model.path``. A reward model may start from another backbone than the policy whose
+    samples it will score."""
+    policy_experiment: str = ""
+    """Experiment file whose run writes ``policy``; the launchers run it first when the
+    pairs and ``policy`` are both missing."""
     prompt_split: Literal["train", "unseen"] = "unseen"
     """Task split the train pairs' prompts come from. "unseen" (reasoning_gym) keeps them
     off the SFT problems, which the policy may have memorized; jsonl tasks need "train"."""
@@ -62,7 +69,12 @@ class PreferenceDataConfig:
     max_new_tokens: int = 8
     """Tokens generated per completion at most."""
     max_pairs_per_prompt: int = 2
-    """Pairs kept per prompt at most; each completion is in at most one pair."""
+    """Pairs kept per prompt at most."""
+    train_pairing: Literal["zip", "all"] = "zip"
+    """How a train prompt's distinct correct and incorrect completions pair up: ``zip``
+    uses each completion once; ``all`` pairs every correct one with every incorrect one
+    (InstructGPT's all comparisons of a prompt), so the one right answer of a prompt meets
+    each distinct wrong one. Eval pairs are always zipped: one pair per prompt, mostly."""
     seed: int = 0
     """Seed of the samples."""
     threads: int = 0
@@ -83,15 +95,21 @@ class Graded:
 
 
 def preference_pairs(
-    texts: Sequence[str], scores: Sequence[float], max_pairs: int
+    texts: Sequence[str], scores: Sequence[float], max_pairs: int, pairing: str = "zip"
 ) -> list[tuple[str, str]]:
-    """(chosen, rejected) pairs of one prompt: its distinct correct texts (full marks) in
-    sample order, zipped with its distinct incorrect texts in sample order, at most
-    ``max_pairs``. Zipping uses each completion once, so pairs of a prompt are not near
-    copies of each other; a prompt with no correct or no incorrect sample gives none."""
+    """(chosen, rejected) pairs of one prompt, at most ``max_pairs``, from its distinct
+    correct texts (full marks) and its distinct incorrect texts, each in sample order.
+    ``zip`` pairs them in order, using each completion once, so pairs of a prompt are not
+    near copies of each other; ``all`` takes every (correct, incorrect) combination, in
+    sample order of the incorrect one first. A prompt with no correct or no incorrect
+    sample gives none."""
     correct = list(dict.fromkeys(t for t, s in zip(texts, scores) if s >= FULL_MARKS))
     incorrect = list(dict.fromkeys(t for t, s in zip(texts, scores) if s < FULL_MARKS))
-    return list(zip(correct, incorrect))[: max(0, max_pairs)]
+    if pairing == "all":
+        pairs = [(c, r) for r in incorrect for c in correct]
+    else:
+        pairs = list(zip(correct, incorrect))
+    return pairs[: max(0, max_pairs)]
 
 
 def sample_seed(seed: int, split: str, prompt: int, sample: int) -> int:
@@ -152,10 +170,10 @@ def grade_split(
     return graded
 
 
-def _rows(graded: list[Graded], max_pairs: int) -> list[dict[str, str]]:
+def _rows(graded: list[Graded], max_pairs: int, pairing: str) -> list[dict[str, str]]:
     rows = []
     for g in graded:
-        for chosen, rejected in preference_pairs(g.texts, g.scores, max_pairs):
+        for chosen, rejected in preference_pairs(g.texts, g.scores, max_pairs, pairing):
             row = {"prompt": g.example.prompt, "chosen": chosen, "rejected": rejected}
             if g.example.answer is not None:  # a (prompt, chosen, rejected) row without it
                 row["answer"] = g.example.answer
@@ -228,7 +246,8 @@ def make_preference_data(policy_dir: str, task_cfg: TaskConfig, cfg: PreferenceD
             ("eval", "eval", evals, cfg.eval_path),
         ):
             graded = grade_split(engine, tokenizer, task, examples, split, cfg)
-            rows = _rows(graded, cfg.max_pairs_per_prompt)
+            rows = _rows(graded, cfg.max_pairs_per_prompt,
+                         cfg.train_pairing if name == "train" else "zip")  # fmt: skip
             if not rows:
                 log.warning(
                     "no %s pairs: no prompt had both a correct and an incorrect sample", name

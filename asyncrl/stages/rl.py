@@ -71,6 +71,11 @@ class RLConfig:
     export_dir: str = ""
     """Write the final policy as an HF directory here; empty means ``RUN_DIR/hf``."""
     loss: PPOLossConfig = field(default_factory=PPOLossConfig)
+    proximal_pass: bool = False
+    """Compute the proximal logprobs in a separate no-grad forward before the step. Off,
+    they are the step's own forward's logprobs, detached: each batch gets one optimizer
+    step, so both forwards see the same weights and give the same values (a test checks
+    loss and gradients), and the separate pass only costs a forward over the batch."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The value model, GAE and the value loss; used when ``algorithm`` is ``ppo``."""
 
@@ -221,8 +226,9 @@ def run(cfg: RLExperiment, info: DistInfo) -> dict:
         waited = time.perf_counter() - wait
         micro = make_micro_batches(to_sequences(batch.samples, cfg), cfg.trainer.micro_batch_tokens,
                                    cfg.trainer.packing, tokenizer.pad_token_id, cfg.trainer.row_tokens)  # fmt: skip
-        # 2. proximal logprobs: the weights at the start of this step, no grad
-        recompute_logprobs(core, micro, reference, temperature)
+        # 2. proximal logprobs: the weights at the start of this step, no grad (by default
+        #    taken detached from the step's own forward, which has those weights)
+        recompute_logprobs(core, micro, reference, temperature, cfg.rl.proximal_pass)
         # 3. PPO with a critic: values before any update, then GAE advantages
         critic_scalars = critic.advantages(critic.values(micro)) if critic is not None else {}
         # 4. one decoupled-PPO step (a non-finite one changes nothing, yet takes the

@@ -54,15 +54,20 @@ def recompute_logprobs(
     micro: list[MicroBatch],
     reference: torch.nn.Module | None,
     temperature: float,
+    proximal: bool = True,
 ) -> None:
-    """Store ``proximal`` (the policy at the start of this step) and, with a frozen
-    ``reference``, ``reference`` logprobs ``[rows, T]`` in each micro-batch; no grad."""
+    """Store ``proximal`` (the policy at the start of this step; when ``proximal``) and,
+    with a frozen ``reference``, ``reference`` logprobs ``[rows, T]`` in each micro-batch;
+    no grad."""
+    if not proximal and reference is None:
+        return
     with torch.no_grad():
         for mb in core.align(micro):
             moved = mb.to(core.info.device)
-            mb.fields["proximal"] = token_logprobs(
-                core.forward(moved), moved.input_ids, temperature
-            ).cpu()
+            if proximal:
+                mb.fields["proximal"] = token_logprobs(
+                    core.forward(moved), moved.input_ids, temperature
+                ).cpu()
             if reference is not None:
                 logits = reference(input_ids=moved.input_ids, position_ids=moved.position_ids,
                                    attention_mask=moved.attention_mask, use_cache=False).logits  # fmt: skip
@@ -70,15 +75,21 @@ def recompute_logprobs(
 
 
 def policy_loss(cfg, temperature: float) -> Callable:
-    """The trainer core's ``loss_fn`` for the policy: decoupled PPO on a micro-batch."""
+    """The trainer core's ``loss_fn`` for the policy: decoupled PPO on a micro-batch.
+
+    Without a stored ``proximal`` field the proximal logprobs are this forward's own,
+    detached: a batch gets one optimizer step, so the weights of the step's forward are
+    the weights at the start of the step, the proximal policy's (``RLConfig.proximal_pass``).
+    """
 
     def loss_fn(logits: torch.Tensor, mb: MicroBatch):
         f = mb.fields
-        if "proximal" not in f:  # padding micro-batch of a rank that got no samples
+        if "behavior" not in f:  # padding micro-batch of a rank that got no samples
             return logits.sum() * 0.0, {}
         logp = token_logprobs(logits, mb.input_ids, temperature)
+        proximal = f["proximal"] if "proximal" in f else logp.detach()
         entropy = token_entropy(logits, temperature) if cfg.rl.loss.entropy_coef else None
-        return ppo_loss(logp, f["proximal"], f["behavior"], f["advantages"], mb.loss_mask, cfg.rl.loss,
+        return ppo_loss(logp, proximal, f["behavior"], f["advantages"], mb.loss_mask, cfg.rl.loss,
                         ref_logprobs=f.get("reference"), entropy=entropy)  # fmt: skip
 
     return loss_fn

@@ -26,6 +26,10 @@ class OptimConfig:
     """Linear warmup from 0 to ``lr`` over this many optimizer steps."""
     min_lr_ratio: float = 0.1
     """Floor of the cosine schedule as a fraction of ``lr``."""
+    head_lr: float = 0.0
+    """Peak learning rate of a scalar head (``model.head = "value"``: the reward model's
+    and the critic's ``score``); 0 means ``lr``. The head starts at zero, and at a
+    backbone's fine-tuning rate it barely moves in a few hundred steps."""
     total_steps: int = 0
     """Steps the schedule spans; 0 means the stage's ``max_steps`` (set in ``finalize``)."""
 

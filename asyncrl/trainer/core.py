@@ -85,6 +85,17 @@ def shard_model(model: PreTrainedModel, info: DistInfo) -> PreTrainedModel:
     return model
 
 
+def param_groups(model: torch.nn.Module, cfg: OptimConfig) -> list[dict]:
+    """AdamW's parameter groups: the scalar head (``score``) at ``head_lr`` when set, the
+    rest at ``lr``."""
+    if not cfg.head_lr:
+        return [{"params": list(model.parameters())}]
+    named = list(model.named_parameters())
+    head = [p for name, p in named if name.startswith("score.")]
+    rest = [p for name, p in named if not name.startswith("score.")]
+    return [{"params": rest}, {"params": head, "lr": cfg.head_lr}] if head else [{"params": rest}]
+
+
 class TrainerCore:
     def __init__(
         self,
@@ -98,7 +109,7 @@ class TrainerCore:
         self.model = shard_model(load_model(model_cfg, info.device), info)
         self.model_cfg = model_cfg
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            param_groups(self.model, optim_cfg),
             lr=optim_cfg.lr,
             betas=(optim_cfg.beta1, optim_cfg.beta2),
             eps=optim_cfg.eps,

@@ -1,0 +1,83 @@
+"""The RL step's shortcut for proximal logprobs: taking them, detached, from the step's
+own forward gives the same loss and gradients as the separate no-grad pass (a batch gets
+one optimizer step, so both forwards see the same weights)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from asyncrl.algorithms.losses import PPOLossConfig
+from asyncrl.models import ModelConfig
+from asyncrl.stages.rl import RLConfig, RLExperiment
+from asyncrl.stages.rl_batch import policy_loss, recompute_logprobs
+from asyncrl.trainer.config import OptimConfig, TrainerConfig
+from asyncrl.trainer.core import TrainerCore
+from asyncrl.trainer.packing import TokenSequence, make_micro_batches
+
+TEMPERATURE = 0.7
+
+
+def _batch(vocab: int, seed: int = 0) -> list[TokenSequence]:
+    """Sequences whose behavior logprobs are off the policy's (so importance weights are
+    not 1) and whose advantages have both signs."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(12):
+        length, prompt = rng.randint(6, 30), rng.randint(2, 5)
+        ids = [rng.randrange(3, vocab) for _ in range(length)]
+        mask = [0] * prompt + [1] * (length - prompt)
+        behavior = [rng.uniform(-4.0, -0.5) * m for m in mask]
+        adv = rng.uniform(-1.5, 1.5)
+        out.append(
+            TokenSequence(ids, mask, {"behavior": behavior, "advantages": [adv * m for m in mask]})
+        )
+    return out
+
+
+def _loss_and_grads(core: TrainerCore, seqs, cfg, separate_pass: bool):
+    micro = make_micro_batches(seqs, 256, "packed", 0)  # several micro-batches
+    assert len(micro) > 1
+    recompute_logprobs(core, micro, None, TEMPERATURE, proximal=separate_pass)
+    assert ("proximal" in micro[0].fields) == separate_pass
+    loss_fn = policy_loss(cfg, TEMPERATURE)
+    core.model.zero_grad(set_to_none=True)
+    total = torch.zeros(())
+    for mb in micro:
+        loss_sum, _ = loss_fn(core.forward(mb), mb)
+        loss_sum.backward()
+        total += loss_sum.detach()
+    grads = {}
+    for name, p in core.model.named_parameters():
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        grads[name] = g.clone()
+    return total, grads, micro
+
+
+@pytest.mark.parametrize("positive_nll_coef", [0.0, 2.0])
+def test_proximal_from_the_steps_own_forward_equals_the_separate_pass(
+    dist_info, tiny_model_dir, positive_nll_coef
+):
+    loss = PPOLossConfig(clip_low=0.2, clip_high=0.28, dual_clip=3.0, iw_cap=2.0,
+                         positive_nll_coef=positive_nll_coef)  # fmt: skip
+    cfg = RLExperiment(rl=RLConfig(loss=loss))
+    core = TrainerCore(
+        ModelConfig(path=tiny_model_dir), TrainerConfig(), OptimConfig(), dist_info, 0
+    )
+    seqs = _batch(core.model.config.vocab_size)
+    loss_sep, grads_sep, micro = _loss_and_grads(core, seqs, cfg, separate_pass=True)
+    loss_own, grads_own, _ = _loss_and_grads(core, seqs, cfg, separate_pass=False)
+    assert torch.isfinite(loss_sep) and loss_sep != 0
+    torch.testing.assert_close(loss_own, loss_sep, rtol=1e-6, atol=1e-7)
+    for name in grads_sep:
+        torch.testing.assert_close(grads_own[name], grads_sep[name], rtol=1e-5, atol=1e-7)
+    # The shortcut is only right for the step's starting weights: another proximal policy
+    # (the behavior policy's logprobs here) gives another loss.
+    first = micro[0]
+    with torch.no_grad():
+        own = policy_loss(cfg, TEMPERATURE)(core.forward(first), first)[0]
+        other = replace(first, fields={**first.fields, "proximal": first.fields["behavior"]})
+        assert not torch.allclose(policy_loss(cfg, TEMPERATURE)(core.forward(other), other)[0], own)
