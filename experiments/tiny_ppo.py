@@ -24,7 +24,9 @@ config = replace(
     rl=replace(
         grpo.rl,
         algorithm="ppo",
-        loss=PPOLossConfig(clip_low=0.2, clip_high=0.2),
+        # The NLL term on positive-advantage tokens as in tiny_grpo: without it PPO on the
+        # verifier's reward swung between 31% and 46% and ended at 36% after 10 minutes.
+        loss=PPOLossConfig(clip_low=0.2, clip_high=0.2, positive_nll_coef=2.0),
         # The zero head has to reach the value scale first. Measured over 12 steps: at lr
         # 1e-4 the mean value was 0.08 against mean returns of 0.5; at 1e-3 it met them by
         # step 6 (and the policy is not touched by the critic's rate).

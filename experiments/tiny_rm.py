@@ -44,11 +44,15 @@ config = RewardModelExperiment(
     ),
     trainer=TrainerConfig(num_ranks=1, threads_per_rank=2, micro_batch_tokens=4096),
     # The zero-initialised head learns at head_lr: at the backbone's 1e-4 it had barely
-    # moved after 300 steps (held-out loss still 0.69). Measured on tiny_sft's backbone,
-    # every setting stayed at 47-58% held out; see the README's results for this one.
-    optim=OptimConfig(lr=1e-4, head_lr=1e-2, warmup_steps=20, min_lr_ratio=0.1),
+    # moved after 300 steps (held-out loss still 0.69). On tiny_sft's backbone every
+    # setting stayed at 47-58% held out. Held-out accuracy at step 300 / 600, one run
+    # each: 90.4 / 90.4% as here; with warmup 20, cosine decay, β2 0.95 and the gradient
+    # clipped to 1, 70.1% / 75.8% (500 steps).
+    optim=OptimConfig(
+        lr=1e-4, head_lr=1e-2, beta2=0.999, max_grad_norm=0.0, warmup_steps=0, schedule="constant"
+    ),
     batch_size=64,
-    max_steps=500,
+    max_steps=600,
     eval=EvalConfig(every_steps=50),
     export_dir="runs/models/tiny-rm",
 )
