@@ -34,6 +34,9 @@ config = replace(
             gamma=1.0,
             lam=0.95,
             value_clip=0.2,
+            # PPO on tiny_rm's score fell from 40.5% to 27.5% in its first 20 steps while
+            # the critic's values were still far from the returns.
+            warmup_steps=20,
             optim=OptimConfig(lr=1e-3, warmup_steps=5, schedule="constant"),
         ),
     ),

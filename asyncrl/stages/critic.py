@@ -43,6 +43,10 @@ class CriticConfig:
     """Shift and scale advantages to zero mean, unit std over the global batch (all ranks)."""
     steps_per_batch: int = 1
     """Critic optimizer steps on each batch (the policy takes one)."""
+    warmup_steps: int = 0
+    """First steps in which only the critic trains (veRL's ``critic_warmup``): the policy
+    keeps its weights, so a zero-initialised value head reaches the returns' scale before
+    its advantages move the policy. Versions still advance, one per batch."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """The critic's AdamW and schedule; ``total_steps`` 0 means ``max_steps × steps_per_batch``."""
 

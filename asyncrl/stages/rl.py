@@ -52,8 +52,8 @@ from asyncrl.trainer.checkpoint import (
     save_checkpoint,
 )
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
-from asyncrl.trainer.core import TrainerCore
-from asyncrl.trainer.dist import DistInfo
+from asyncrl.trainer.core import StepStats, TrainerCore
+from asyncrl.trainer.dist import DistInfo, all_reduce_sum
 from asyncrl.trainer.packing import make_micro_batches
 from asyncrl.trainer.publish import weight_publisher
 from asyncrl.transport import TransportConfig
@@ -233,8 +233,11 @@ def run(cfg: RLExperiment, info: DistInfo) -> dict:
         critic_scalars = critic.advantages(critic.values(micro)) if critic is not None else {}
         # 4. one decoupled-PPO step (a non-finite one changes nothing, yet takes the
         #    batch's version, so step, batch and version stay one to one)
-        stats = core.train_step(micro, loss_fn)
-        core.step += stats.skipped
+        if critic is not None and core.step < cfg.rl.critic.warmup_steps:
+            stats = critic_warmup_step(core, micro)  # the policy keeps its weights
+        else:
+            stats = core.train_step(micro, loss_fn)
+            core.step += stats.skipped
         # 5. publish version v+1 to the generators and announce it to the buffer
         state = core.full_state_dict()
         sync_s = publisher.publish(core.step, state) if publisher is not None else 0.0
@@ -245,7 +248,7 @@ def run(cfg: RLExperiment, info: DistInfo) -> dict:
         ledger.write(core.step - 1, batch.samples)
         rewards = [s.reward for s in batch.samples]
         scalars = {"train/loss": stats.loss, "train/grad_norm": stats.grad_norm, "train/lr": stats.lr,
-                   "train/tokens": stats.tokens, "train/tokens_per_s": stats.tokens / stats.seconds,
+                   "train/tokens": stats.tokens, "train/tokens_per_s": stats.tokens / max(stats.seconds, 1e-9),
                    "train/step_s": stats.seconds, "train/wait_for_batch_s": waited,
                    "train/weight_publish_s": sync_s, "rollout/reward": sum(rewards) / max(len(rewards), 1),
                    **stats.metrics, **critic_scalars}  # fmt: skip
@@ -279,6 +282,16 @@ def run(cfg: RLExperiment, info: DistInfo) -> dict:
     if publisher is not None:
         publisher.close()
     return summary
+
+
+def critic_warmup_step(core: TrainerCore, micro: list) -> StepStats:
+    """A step of the critic's warmup for the policy: no forward, no optimizer step, the
+    version advances (so steps, batches and versions stay one to one)."""
+    tokens = all_reduce_sum([float(sum(mb.num_tokens for mb in micro))], core.info.device)[0]
+    core.step += 1
+    lr = core.scheduler.get_last_lr()[0]
+    return StepStats(loss=0.0, grad_norm=0.0, lr=lr, tokens=int(tokens), seconds=0.0,
+                     skipped=False, metrics={})  # fmt: skip
 
 
 def resume_or_evaluate(core, companions, ckpt_root, cfg, evaluate, publisher, client, log) -> dict:
