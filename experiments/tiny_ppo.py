@@ -24,8 +24,11 @@ config = replace(
     rl=replace(
         grpo.rl,
         algorithm="ppo",
-        # The NLL term on positive-advantage tokens as in tiny_grpo: without it PPO on the
-        # verifier's reward swung between 31% and 46% and ended at 36% after 10 minutes.
+        # The NLL term on positive-advantage tokens, as in tiny_grpo. On tiny_rm's score
+        # (tiny_chain), 300 s: without it and without the critic warmup the policy fell
+        # to 0% by step 60 (an older, chance-level reward model); with α = 2, to 27.5% at
+        # step 20 and 28-34% after; with α = 2 and the warmup, it held 40.5% through step
+        # 20, then fell to 25-34%. On the verifier, before both: 31-46%, 36% at 10 min.
         loss=PPOLossConfig(clip_low=0.2, clip_high=0.2, positive_nll_coef=2.0),
         # The zero head has to reach the value scale first. Measured over 12 steps: at lr
         # 1e-4 the mean value was 0.08 against mean returns of 0.5; at 1e-3 it met them by
@@ -34,8 +37,8 @@ config = replace(
             gamma=1.0,
             lam=0.95,
             value_clip=0.2,
-            # PPO on tiny_rm's score fell from 40.5% to 27.5% in its first 20 steps while
-            # the critic's values were still far from the returns.
+            # Without it, PPO on tiny_rm's score fell from 40.5% to 27.5% in its first 20
+            # steps while the critic's values were still far from the returns.
             warmup_steps=20,
             optim=OptimConfig(lr=1e-3, warmup_steps=5, schedule="constant"),
         ),

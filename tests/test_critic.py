@@ -273,7 +273,7 @@ def test_launcher_runs_tiny_ppo(tmp_path, tiny_model_dir):
         f"model.path={tiny_model_dir}", "rl.max_steps=3", "eval.every_steps=0", "eval.num_examples=0",
         "task.train_size=200", "buffer.prompts_per_batch=4", "buffer.samples_per_prompt=2",
         "engine.max_slots=8", "transport.heartbeat_s=0.2", "optim.warmup_steps=0",
-        "rl.critic.optim.warmup_steps=0",
+        "rl.critic.optim.warmup_steps=0", "rl.critic.warmup_steps=1",
         # The random model never answers right; the overlong penalty gives the critic a target.
         "rl.overlong_cache=4",
     ]  # fmt: skip
@@ -292,6 +292,9 @@ def test_launcher_runs_tiny_ppo(tmp_path, tiny_model_dir):
     assert all(r["critic/return_mean"] < 0 for r in records)
     assert records[0]["critic/value_mean"] == 0.0  # the zero head, before its first step
     assert records[-1]["critic/value_mean"] != 0.0  # the critic has trained
+    # Step 1 is the critic's warmup: the policy takes no step; then it does.
+    assert records[0]["train/grad_norm"] == 0.0 and records[0]["train/loss"] == 0.0
+    assert all(r["train/grad_norm"] > 0 for r in records[1:])
     step_dir = run_dir / "checkpoints" / "step_00000003"
     assert (step_dir / "critic" / ".metadata").is_file()
     assert json.loads((step_dir / "meta.json").read_text())["companion_steps"] == {"critic": 3}

@@ -150,8 +150,13 @@ def test_the_chain_runs_missing_stages_first_and_each_once(tmp_path, monkeypatch
     too); the outputs are relative to the working directory, so an empty one needs all."""
     monkeypatch.chdir(tmp_path)
     chain_file = str(ROOT / "experiments" / "tiny_chain.py")
-    assert [c.name for c in stage_chain(chain_file, [])] == ["tiny_sft", "tiny_rm", "tiny_chain"]
+    # The reward model's backbone (tiny_sft_2k) is another SFT run; its pairs come from
+    # tiny_sft, which runs once.
+    everything = ["tiny_sft", "tiny_sft_2k", "tiny_rm", "tiny_chain"]
+    assert [c.name for c in stage_chain(chain_file, [])] == everything
     Path("runs/models/tiny-sft").mkdir(parents=True)
+    assert [c.name for c in stage_chain(chain_file, [])] == ["tiny_sft_2k", "tiny_rm", "tiny_chain"]
+    Path("runs/models/tiny-sft-2k").mkdir(parents=True)
     assert [c.name for c in stage_chain(chain_file, [])] == ["tiny_rm", "tiny_chain"]
     Path("runs/models/tiny-rm").mkdir(parents=True)
     assert [c.name for c in stage_chain(chain_file, [])] == ["tiny_chain"]
