@@ -84,8 +84,7 @@ class PairStageExperiment:
         """(path, experiment file that makes it) pairs the launchers check before starting:
         the starting model, and the policy the pairs come from while the pairs are missing."""
         needs = [(self.model.path, self.init_from_experiment)] if self.init_from_experiment else []
-        pairs = Path(self.data.train_path).exists() and Path(self.data.eval_path).exists()
-        if self.data.policy and self.data.policy_experiment and not pairs:
+        if self.data.policy and self.data.policy_experiment and not pairs_exist(self.data):
             needs.append((self.data.policy, self.data.policy_experiment))
         return needs
 
@@ -103,11 +102,14 @@ class PairStageExperiment:
             self.optim.total_steps = self.max_steps
 
 
+def pairs_exist(data: PreferenceDataConfig) -> bool:
+    """Both pair files are there (else the stage makes them first)."""
+    return Path(data.train_path).exists() and Path(data.eval_path).exists()
+
+
 def ensure_pairs(cfg: PairStageExperiment, info: DistInfo) -> None:
     """Make the pair files on rank 0 when either is missing (from the starting policy)."""
-    if info.is_main and not (
-        Path(cfg.data.train_path).exists() and Path(cfg.data.eval_path).exists()
-    ):
+    if info.is_main and not pairs_exist(cfg.data):
         started = time.time()
         counts = make_preference_data(cfg.data.policy or cfg.model.path, cfg.task, cfg.data)
         print(f"made preference pairs in {time.time() - started:.0f} s: {counts}", flush=True)

@@ -248,7 +248,7 @@ def run(cfg: RLExperiment, info: DistInfo) -> dict:
         ledger.write(core.step - 1, batch.samples)
         rewards = [s.reward for s in batch.samples]
         scalars = {"train/loss": stats.loss, "train/grad_norm": stats.grad_norm, "train/lr": stats.lr,
-                   "train/tokens": stats.tokens, "train/tokens_per_s": stats.tokens / max(stats.seconds, 1e-9),
+                   "train/tokens": stats.tokens, "train/tokens_per_s": stats.tokens / stats.seconds if stats.seconds else 0.0,
                    "train/step_s": stats.seconds, "train/wait_for_batch_s": waited,
                    "train/weight_publish_s": sync_s, "rollout/reward": sum(rewards) / max(len(rewards), 1),
                    **stats.metrics, **critic_scalars}  # fmt: skip
