@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from asyncrl.algorithms.advantages import gae, grpo_advantages, overlong_penalty, rloo_advantages
+from asyncrl.algorithms.advantages import (
+    gae,
+    grpo_advantages,
+    kl_penalized_rewards,
+    overlong_penalty,
+    rloo_advantages,
+)
 from asyncrl.algorithms.losses import PPOLossConfig, kl_estimate, ppo_loss, token_entropy
 
 
@@ -88,6 +94,22 @@ def test_kl_estimators_and_kl_in_loss():
     cfg = PPOLossConfig(kl_coef=0.1, kl_estimator="k1")
     with_kl, _ = ppo_loss(logp, logp, logp, t(0.0), t(1), cfg, ref_logprobs=ref)
     assert with_kl.item() == pytest.approx(0.1 * 0.5)
+    # With the penalty in the reward, the loss has no KL term (it is in the advantages).
+    in_reward = PPOLossConfig(kl_coef=0.1, kl_estimator="k1", kl_in_reward=True)
+    assert ppo_loss(logp, logp, logp, t(0.0), t(1), in_reward, ref_logprobs=ref)[0].item() == 0.0
+
+
+def test_kl_in_the_reward_lowers_completion_token_rewards_before_gae():
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 2.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0]])  # token 0 is the prompt
+    behavior = torch.tensor([[0.0, -1.0, -0.5, -2.0]])
+    reference = torch.tensor([[-3.0, -1.5, -0.5, -1.0]])
+    kl = kl_estimate(behavior, reference, "k1")  # behavior − reference: 3, 0.5, 0, −1
+    shaped = kl_penalized_rewards(rewards, kl, mask, coef=0.2)
+    assert torch.allclose(shaped, torch.tensor([[0.0, -0.1, 0.0, 2.2]]))
+    # GAE (γ = λ = 1, zero values) then sums them from each token to the end.
+    adv, _ = gae(shaped, torch.zeros(1, 4), mask, gamma=1.0, lam=1.0)
+    assert torch.allclose(adv, torch.tensor([[0.0, 2.1, 2.2, 2.2]]))
 
 
 def test_positive_nll_term_applies_to_positive_advantages_only():

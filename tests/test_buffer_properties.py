@@ -27,7 +27,8 @@ GENERATORS = ["g0", "g1", "g2"]
 
 
 def prompts(position: int) -> tuple[int, list[int]]:
-    return position, [3 + position % 7, 4, 5]
+    # Prompts come round again (an epoch of 11), as skip_uniform needs.
+    return position % 11, [3 + position % 7, 4, 5]
 
 
 def score(prompt_id: int, completion: list[int], reason: str | None) -> float:
@@ -40,7 +41,7 @@ class Simulation:
     """Generators, a network and a trainer around one buffer, stepped by weighted random
     actions from a seed, with the invariants checked after every action."""
 
-    def __init__(self, eta: int | None, dynamic: bool, seed: int) -> None:
+    def __init__(self, eta: int | None, dynamic: bool, seed: int, skip: float = 0.0) -> None:
         self.eta = eta
         cfg = BufferConfig(
             prompts_per_batch=2,
@@ -49,6 +50,7 @@ class Simulation:
             lease_timeout_s=50.0,
             heartbeat_timeout_s=5.0,
             dynamic_sampling=dynamic,
+            skip_uniform=skip,
         )
         self.buffer = RolloutBuffer(cfg, "run", prompts, score, SamplingSpec())
         self.log: list[bytes] = []  # the write-ahead log since the last save
@@ -204,9 +206,10 @@ class Simulation:
 
 
 @settings(max_examples=60, deadline=None)
-@given(eta=st.sampled_from([0, 1, 3, None]), dynamic=st.booleans(), seed=st.integers(0, 2**32))
-def test_buffer_invariants_under_random_schedules(eta, dynamic, seed):
-    sim = Simulation(eta, dynamic, seed)
+@given(eta=st.sampled_from([0, 1, 3, None]), dynamic=st.booleans(), seed=st.integers(0, 2**32),
+       skip=st.sampled_from([0.0, 0.7]))  # fmt: skip
+def test_buffer_invariants_under_random_schedules(eta, dynamic, seed, skip):
+    sim = Simulation(eta, dynamic, seed, skip)
     sim.run(600)
     event(f"steps consumed: {'10+' if sim.step >= 10 else sim.step}")
     c = sim.buffer.counts
@@ -215,6 +218,39 @@ def test_buffer_invariants_under_random_schedules(eta, dynamic, seed):
     )
     assert sum(sim.buffer.staleness.values()) == c["samples_consumed"]
     event(f"batches served again after a trainer restart: {bool(c['batches_served_again'])}")
+    event(f"prompts skipped as uniform: {bool(c['prompts_skipped'])}")
+
+
+def test_skip_uniform_skips_prompts_whose_groups_had_no_spread():
+    """Prompt 0's samples always score 1, prompt 1's score 0 and 1: with p = 1 a uniform
+    prompt is skipped from its second turn on, before any lease; with p = 0 none is."""
+
+    def two_prompts(position: int) -> tuple[int, list[int]]:
+        return position % 2, [7]
+
+    def by_prompt(prompt_id: int, completion: list[int], reason: str | None) -> float:
+        return 1.0 if prompt_id == 0 else float(completion[0] % 2)
+
+    for p, expect_skipped in ((1.0, True), (0.0, False)):
+        cfg = BufferConfig(prompts_per_batch=1, samples_per_prompt=2, max_staleness=None,
+                           dynamic_sampling=True, skip_uniform=p)  # fmt: skip
+        buffer = RolloutBuffer(cfg, "run", two_prompts, by_prompt, SamplingSpec())
+        leased_prompts = []
+        for round_ in range(6):
+            for lease in buffer.lease("g", 2, float(round_)):
+                leased_prompts.append(lease.prompt_id)
+                token = lease.sample_index + 1  # samples 1 and 2: rewards 1 and 0 for prompt 1
+                buffer.on_chunk(Chunk(run_id="run", worker_id="g", lease_id=lease.lease_id, seq=0, token_ids=[token],
+                                      logprobs=[0.0], versions=[0], finished=True, finish_reason="stop"),
+                                float(round_))  # fmt: skip
+        assert leased_prompts[:4] == [0, 0, 1, 1]  # both prompts' first turns are leased
+        if expect_skipped:
+            assert set(leased_prompts[4:]) == {1}, leased_prompts
+            assert buffer.counts["prompts_skipped"] >= 2
+            assert buffer.uniform_streak == {0: 1}
+        else:
+            assert 0 in leased_prompts[4:] and not buffer.counts["prompts_skipped"]
+        buffer.check_accounting()
 
 
 def test_eta_zero_is_one_batch_of_prompts_per_version():

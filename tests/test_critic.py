@@ -274,6 +274,7 @@ def test_launcher_runs_tiny_ppo(tmp_path, tiny_model_dir):
         "task.train_size=200", "buffer.prompts_per_batch=4", "buffer.samples_per_prompt=2",
         "engine.max_slots=8", "transport.heartbeat_s=0.2", "optim.warmup_steps=0",
         "rl.critic.optim.warmup_steps=0", "rl.critic.warmup_steps=1",
+        "rl.loss.kl_coef=0.1", "rl.loss.kl_in_reward=true",
         # The random model never answers right; the overlong penalty gives the critic a target.
         "rl.overlong_cache=4",
     ]  # fmt: skip
@@ -295,6 +296,8 @@ def test_launcher_runs_tiny_ppo(tmp_path, tiny_model_dir):
     # Step 1 is the critic's warmup: the policy takes no step; then it does.
     assert records[0]["train/grad_norm"] == 0.0 and records[0]["train/loss"] == 0.0
     assert all(r["train/grad_norm"] > 0 for r in records[1:])
+    # The KL penalty is in the rewards: the policy stepped away from the reference.
+    assert records[-1]["train/kl_reference"] > 0
     step_dir = run_dir / "checkpoints" / "step_00000003"
     assert (step_dir / "critic" / ".metadata").is_file()
     assert json.loads((step_dir / "meta.json").read_text())["companion_steps"] == {"critic": 3}

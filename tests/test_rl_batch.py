@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from asyncrl.algorithms.losses import PPOLossConfig
+from asyncrl.config import ConfigError
 from asyncrl.models import ModelConfig
 from asyncrl.stages.rl import RLConfig, RLExperiment
-from asyncrl.stages.rl_batch import policy_loss, recompute_logprobs
+from asyncrl.stages.rl_batch import penalize_kl_in_rewards, policy_loss, recompute_logprobs
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import TrainerCore
 from asyncrl.trainer.packing import TokenSequence, make_micro_batches
@@ -81,3 +82,34 @@ def test_proximal_from_the_steps_own_forward_equals_the_separate_pass(
         own = policy_loss(cfg, TEMPERATURE)(core.forward(first), first)[0]
         other = replace(first, fields={**first.fields, "proximal": first.fields["behavior"]})
         assert not torch.allclose(policy_loss(cfg, TEMPERATURE)(core.forward(other), other)[0], own)
+
+
+def test_kl_in_reward_penalizes_the_packed_token_rewards():
+    """``penalize_kl_in_rewards`` on packed micro-batches: every completion token's reward
+    loses β·(behavior − reference) (k1), prompt tokens and padding keep theirs."""
+    rng = random.Random(1)
+    seqs = []
+    for _ in range(6):
+        length, prompt = rng.randint(4, 9), 2
+        mask = [0] * prompt + [1] * (length - prompt)
+        fields = {"behavior": [rng.uniform(-3, 0) * m for m in mask],
+                  "rewards": [0.0] * (length - 1) + [rng.uniform(-1, 1)]}  # fmt: skip
+        seqs.append(TokenSequence(list(range(3, 3 + length)), mask, fields))
+    micro = make_micro_batches(seqs, 16, "packed", 0, row_tokens=16)
+    assert len(micro) > 1
+    before = [mb.fields["rewards"].clone() for mb in micro]
+    for mb in micro:
+        mb.fields["reference"] = torch.full_like(mb.fields["behavior"], -1.0)
+    penalize_kl_in_rewards(micro, PPOLossConfig(kl_coef=0.5, kl_estimator="k1", kl_in_reward=True))
+    for mb, old in zip(micro, before):
+        expected = old - 0.5 * (mb.fields["behavior"] + 1.0) * mb.loss_mask
+        assert torch.allclose(mb.fields["rewards"], expected)
+        assert not torch.equal(mb.fields["rewards"], old)
+
+
+def test_kl_in_reward_needs_a_critic():
+    cfg = RLExperiment(
+        rl=RLConfig(algorithm="grpo", loss=PPOLossConfig(kl_coef=0.1, kl_in_reward=True))
+    )
+    with pytest.raises(ConfigError, match="kl_in_reward"):
+        cfg.finalize()

@@ -5,6 +5,7 @@ the plumbing: the trainer broadcasts sequence-level advantages over completion t
   is off (Dr.GRPO, which drops the std to avoid favouring easy or hard prompts).
 - RLOO: reward minus the mean of the *other* samples of the group.
 - GAE for PPO with a critic: token-level δ_t = r_t + γ·V_{t+1} − V_t accumulated with γλ.
+- A KL penalty in the reward: per-token rewards minus β·KL to the reference, before GAE.
 - DAPO's overlong shaping: a linear penalty over the last ``cache`` tokens before the limit.
 """
 
@@ -77,6 +78,18 @@ def masked_whiten(
     """``(x − mean) / (std + eps)`` where ``mask`` is 1, else 0; ``[rows, T]``. The moments
     are the caller's, so they can be those of the global batch over all ranks."""
     return (x - mean) / (std + eps) * mask
+
+
+def kl_penalized_rewards(
+    rewards: torch.Tensor,
+    kl: torch.Tensor,
+    mask: torch.Tensor,
+    coef: float,
+) -> torch.Tensor:
+    """Token rewards with the KL penalty in them: ``rewards − coef·kl`` on completion
+    tokens, unchanged elsewhere. ``rewards``, ``kl`` (a per-token estimate of
+    KL(π_behavior ‖ π_ref), e.g. ``kl_estimate``) and ``mask``: ``[rows, T]``."""
+    return rewards - coef * kl * mask
 
 
 def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, cache: int) -> torch.Tensor:

@@ -50,7 +50,12 @@ class PPOLossConfig:
     iw_cap: float = 5.0
     """Truncation of the behavior importance weight exp(proximal − behavior)."""
     kl_coef: float = 0.0
-    """β of the KL penalty to the reference policy in the loss (0: off)."""
+    """β of the KL penalty to the reference policy (the starting weights, frozen); 0: off."""
+    kl_in_reward: bool = False
+    """Put the KL penalty in the reward instead of the loss (InstructGPT, TRL's PPO): each
+    completion token's reward loses β·KL(behavior ‖ reference) before GAE, so the critic
+    learns the penalized return. Needs ``algorithm="ppo"``: a group estimator sees one
+    reward per sample. False: β·KL(π ‖ reference) is a term of the loss (GRPO's way)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """Per-token estimator of KL(π ‖ π_ref) (Schulman's k1, k2, k3)."""
     entropy_coef: float = 0.0
@@ -122,7 +127,7 @@ def ppo_loss(
             advantages < 0, torch.maximum(objective, cfg.dual_clip * advantages), objective
         )
     per_token = -weight * objective
-    if cfg.kl_coef and ref_logprobs is not None:
+    if cfg.kl_coef and ref_logprobs is not None and not cfg.kl_in_reward:
         per_token = per_token + cfg.kl_coef * kl_estimate(logprobs, ref_logprobs, cfg.kl_estimator)
     if cfg.entropy_coef and entropy is not None:
         per_token = per_token - cfg.entropy_coef * entropy

@@ -14,6 +14,7 @@ or failed, or is still in flight, and ``check_accounting`` proves the sum.
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,6 +40,12 @@ class BufferConfig:
     """A generator silent this long is presumed dead and its leases are re-issued."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (no learning signal) and lease more prompts."""
+    skip_uniform: float = 0.0
+    """p of pre-rollout filtering (GRESO): a prompt whose last z groups each had equal
+    rewards is skipped in the prompt stream with probability 1 − (1 − p)^z, before any
+    token is generated for it; a group with a spread of rewards resets z. Dynamic sampling
+    drops such groups after paying for them, and a prompt that gave none last time rarely
+    gives one now (one answered by every sample stays answered). 0 is off."""
     checkpoint_s: float = 30.0
     """The buffer process saves its state this often (and at exit); between saves it
     appends what it accepts to a write-ahead log, so a restart loses nothing. 0 disables
@@ -101,7 +108,12 @@ class BufferState(msgspec.Struct):
     staleness: dict[int, int]
     newest_consumed_version: int = 0
     keep_served_from: int = 0
+    uniform_streak: dict[int, int] = msgspec.field(default_factory=dict)
 
+
+MAX_SKIPS_IN_A_ROW = 10_000
+"""``skip_uniform`` gives up skipping after this many prompts in a row (a stream of
+nothing but uniform prompts would otherwise never admit one)."""
 
 PromptSource = Callable[[int], tuple[int, list[int]]]
 """``prompts(position) -> (prompt_id, prompt token ids)``, deterministic in the position."""
@@ -148,6 +160,8 @@ class RolloutBuffer:
         self.reward_sum = 0.0
         self.staleness: Counter[int] = Counter()  # consumed samples by staleness (histogram)
         self.newest_consumed_version = 0
+        # prompt id -> its latest groups in a row whose rewards were all equal (skip_uniform)
+        self.uniform_streak: dict[int, int] = {}
 
     # ---- generators ----------------------------------------------------------------
     def lease(self, worker_id: str, capacity: int, now: float) -> list[Lease]:
@@ -293,6 +307,7 @@ class RolloutBuffer:
             to_lease=list(self.to_lease), ready=list(self.ready), served=self.served,
             counts=dict(self.counts), reward_sum=self.reward_sum, staleness=dict(self.staleness),
             newest_consumed_version=self.newest_consumed_version, keep_served_from=self.keep_served_from,
+            uniform_streak=self.uniform_streak,
         ))  # fmt: skip
 
     def restore(self, data: bytes, now: float) -> None:
@@ -317,6 +332,7 @@ class RolloutBuffer:
             st.newest_consumed_version,
             st.keep_served_from,
         )
+        self.uniform_streak = dict(st.uniform_streak)
         self.rescore()
         self.alive_since(now)
 
@@ -356,8 +372,7 @@ class RolloutBuffer:
         if self.retry_prompts:
             prompt_id, prompt_ids = self.retry_prompts.popleft()
         else:
-            prompt_id, prompt_ids = self.prompts(self.prompt_position)
-            self.prompt_position += 1
+            prompt_id, prompt_ids = self._next_prompt()
         group = _Group(self.next_group_id, prompt_id, list(prompt_ids),
                        [_Slot(i) for i in range(self.cfg.samples_per_prompt)])  # fmt: skip
         self.groups[group.group_id] = group
@@ -366,6 +381,21 @@ class RolloutBuffer:
         self.counts["samples_created"] += len(group.slots)
         self.to_lease.extend((group.group_id, i) for i in range(len(group.slots)))
         return True
+
+    def _next_prompt(self) -> tuple[int, list[int]]:
+        """The stream's next prompt that ``skip_uniform`` does not skip. The draw depends on
+        the run and the stream position only, so a restored buffer skips the same ones."""
+        for _ in range(MAX_SKIPS_IN_A_ROW):
+            position = self.prompt_position
+            prompt_id, prompt_ids = self.prompts(position)
+            self.prompt_position += 1
+            streak = self.uniform_streak.get(prompt_id, 0)
+            if not streak or random.Random(f"{self.run_id}:{position}").random() >= (
+                1.0 - (1.0 - self.cfg.skip_uniform) ** streak
+            ):
+                return prompt_id, prompt_ids
+            self.counts["prompts_skipped"] += 1
+        return prompt_id, prompt_ids  # every prompt looks uniform: take one anyway
 
     def _issue(self, group_id: int, index: int, worker_id: str, now: float) -> Lease:
         group = self.groups[group_id]
@@ -417,6 +447,13 @@ class RolloutBuffer:
         if any(s.reward is None for s in group.slots):
             return
         rewards = {s.reward for s in group.slots}
+        if self.cfg.skip_uniform > 0:
+            if len(rewards) == 1:
+                self.uniform_streak[group.prompt_id] = (
+                    self.uniform_streak.get(group.prompt_id, 0) + 1
+                )
+            else:
+                self.uniform_streak.pop(group.prompt_id, None)
         if self.cfg.dynamic_sampling and len(rewards) == 1:
             self._end_group(group, "samples_filtered")
             self.counts["groups_filtered"] += 1

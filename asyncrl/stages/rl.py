@@ -42,7 +42,12 @@ from asyncrl.stages.common import (
     trainer_ranks,
 )
 from asyncrl.stages.critic import Critic, CriticConfig
-from asyncrl.stages.rl_batch import policy_loss, recompute_logprobs, to_sequences
+from asyncrl.stages.rl_batch import (
+    penalize_kl_in_rewards,
+    policy_loss,
+    recompute_logprobs,
+    to_sequences,
+)
 from asyncrl.stages.sft import Evaluator
 from asyncrl.tasks import TaskConfig, build_task
 from asyncrl.trainer.checkpoint import (
@@ -131,6 +136,10 @@ class RLExperiment:
             self.reward.check()
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if self.rl.loss.kl_in_reward and self.rl.algorithm != "ppo":
+            raise ConfigError(f"rl.loss.kl_in_reward puts the KL penalty in PPO's token rewards; "
+                              f"rl.algorithm={self.rl.algorithm} sees one reward per sample: set "
+                              f"rl.algorithm=ppo or rl.loss.kl_in_reward=false (KL in the loss)")  # fmt: skip
         if self.placement == "colocated":
             if self.trainer.num_ranks != 1:
                 raise ConfigError("placement=colocated runs one process: set trainer.num_ranks=1")
@@ -229,8 +238,13 @@ def run(cfg: RLExperiment, info: DistInfo) -> dict:
         # 2. proximal logprobs: the weights at the start of this step, no grad (by default
         #    taken detached from the step's own forward, which has those weights)
         recompute_logprobs(core, micro, reference, temperature, cfg.rl.proximal_pass)
-        # 3. PPO with a critic: values before any update, then GAE advantages
-        critic_scalars = critic.advantages(critic.values(micro)) if critic is not None else {}
+        # 3. PPO with a critic: values before any update, then GAE advantages (of the
+        #    rewards less the KL penalty, when it goes in the reward)
+        critic_scalars = {}
+        if critic is not None:
+            if cfg.rl.loss.kl_in_reward and reference is not None:
+                penalize_kl_in_rewards(micro, cfg.rl.loss)
+            critic_scalars = critic.advantages(critic.values(micro))
         # 4. one decoupled-PPO step (a non-finite one changes nothing, yet takes the
         #    batch's version, so step, batch and version stay one to one)
         if critic is not None and core.step < cfg.rl.critic.warmup_steps:

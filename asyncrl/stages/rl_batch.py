@@ -9,8 +9,13 @@ from collections.abc import Callable
 
 import torch
 
-from asyncrl.algorithms.advantages import grpo_advantages, overlong_penalty, rloo_advantages
-from asyncrl.algorithms.losses import ppo_loss, token_entropy
+from asyncrl.algorithms.advantages import (
+    grpo_advantages,
+    kl_penalized_rewards,
+    overlong_penalty,
+    rloo_advantages,
+)
+from asyncrl.algorithms.losses import PPOLossConfig, kl_estimate, ppo_loss, token_entropy
 from asyncrl.stages.critic import reward_on_last_token
 from asyncrl.trainer.core import TrainerCore
 from asyncrl.trainer.logprobs import token_logprobs
@@ -72,6 +77,18 @@ def recompute_logprobs(
                 logits = reference(input_ids=moved.input_ids, position_ids=moved.position_ids,
                                    attention_mask=moved.attention_mask, use_cache=False).logits  # fmt: skip
                 mb.fields["reference"] = token_logprobs(logits, moved.input_ids, temperature).cpu()
+
+
+def penalize_kl_in_rewards(micro: list[MicroBatch], cfg: PPOLossConfig) -> None:
+    """``kl_in_reward``: take β·KL(behavior ‖ reference) off each completion token's
+    ``rewards`` (PPO's token rewards, before the critic's GAE). The behavior logprobs are
+    the policy that sampled the tokens, as InstructGPT's rollout policy."""
+    for mb in micro:
+        f = mb.fields
+        if "rewards" not in f or "reference" not in f:  # a padding micro-batch
+            continue
+        kl = kl_estimate(f["behavior"], f["reference"], cfg.kl_estimator)
+        f["rewards"] = kl_penalized_rewards(f["rewards"], kl, mb.loss_mask, cfg.kl_coef)
 
 
 def policy_loss(cfg, temperature: float) -> Callable:
