@@ -251,6 +251,16 @@ def test_skip_uniform_skips_prompts_whose_groups_had_no_spread():
         else:
             assert 0 in leased_prompts[4:] and not buffer.counts["prompts_skipped"]
         buffer.check_accounting()
+    # With a floor above prompt 0's reward its uniform groups do not count: never skipped.
+    cfg = BufferConfig(prompts_per_batch=1, samples_per_prompt=2, max_staleness=None,
+                       skip_uniform=1.0, skip_uniform_min_reward=1.5)  # fmt: skip
+    buffer = RolloutBuffer(cfg, "run", two_prompts, by_prompt, SamplingSpec())
+    for round_ in range(6):
+        for lease in buffer.lease("g", 2, float(round_)):
+            buffer.on_chunk(Chunk(run_id="run", worker_id="g", lease_id=lease.lease_id, seq=0,
+                                  token_ids=[lease.sample_index + 1], logprobs=[0.0], versions=[0],
+                                  finished=True, finish_reason="stop"), float(round_))  # fmt: skip
+    assert not buffer.counts["prompts_skipped"] and not buffer.uniform_streak
 
 
 def test_eta_zero_is_one_batch_of_prompts_per_version():

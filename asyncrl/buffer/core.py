@@ -46,6 +46,10 @@ class BufferConfig:
     token is generated for it; a group with a spread of rewards resets z. Dynamic sampling
     drops such groups after paying for them, and a prompt that gave none last time rarely
     gives one now (one answered by every sample stays answered). 0 is off."""
+    skip_uniform_min_reward: float | None = None
+    """Only a uniform group whose reward is at least this counts toward the streak: 1.0
+    with a 0/1 verifier skips solved prompts only, and keeps leasing the unsolved ones
+    for when the policy gets to them. None: every uniform group counts."""
     checkpoint_s: float = 30.0
     """The buffer process saves its state this often (and at exit); between saves it
     appends what it accepts to a write-ahead log, so a restart loses nothing. 0 disables
@@ -448,7 +452,8 @@ class RolloutBuffer:
             return
         rewards = {s.reward for s in group.slots}
         if self.cfg.skip_uniform > 0:
-            if len(rewards) == 1:
+            floor = self.cfg.skip_uniform_min_reward
+            if len(rewards) == 1 and (floor is None or min(rewards) >= floor):
                 self.uniform_streak[group.prompt_id] = (
                     self.uniform_streak.get(group.prompt_id, 0) + 1
                 )
