@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from asyncrl.models import TinyModelConfig, build_tiny_model
 from asyncrl.tasks import TaskConfig, build_task
@@ -51,3 +52,13 @@ def wait_for_ranks(procs, timeout_s: float = 300) -> list[str]:
         assert p.returncode == 0, output[-3000:]
         outputs.append(output)
     return outputs
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A detached copy of ``t`` whole: a sharded DTensor (FSDP2) gathered, a plain one as is."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient, whole, by name."""
+    return {name: full_tensor(p.grad) for name, p in model.named_parameters()}

@@ -29,7 +29,7 @@ from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import NonFiniteError, TrainerCore
 from asyncrl.trainer.packing import MicroBatch, make_micro_batches
 
-from .conftest import wait_for_ranks
+from .conftest import full_tensor, wait_for_ranks
 from .fsdp_worker import loss_fn, synthetic_sequences
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,17 +45,13 @@ def _batch(core: TrainerCore, seed: int) -> list[MicroBatch]:
     return make_micro_batches(seqs, budget=160, row_tokens=80)
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
-
-
 def _params(core: TrainerCore) -> dict[str, torch.Tensor]:
-    return {name: _full(p) for name, p in core.model.named_parameters()}
+    return {name: full_tensor(p) for name, p in core.model.named_parameters()}
 
 
 def _optim_state(core: TrainerCore) -> dict[str, torch.Tensor]:
     state = core.optimizer.state_dict()["state"]
-    return {f"{i}.{k}": _full(v) for i, s in state.items() for k, v in s.items()}
+    return {f"{i}.{k}": full_tensor(v) for i, s in state.items() for k, v in s.items()}
 
 
 def _assert_identical(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> None:

@@ -19,6 +19,8 @@ from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import TrainerCore
 from asyncrl.trainer.packing import TokenSequence, make_micro_batches
 
+from .conftest import full_grads
+
 TEMPERATURE = 0.7
 
 
@@ -51,11 +53,7 @@ def _loss_and_grads(core: TrainerCore, seqs, cfg, separate_pass: bool):
         loss_sum, _ = loss_fn(core.forward(mb), mb)
         loss_sum.backward()
         total += loss_sum.detach()
-    grads = {}
-    for name, p in core.model.named_parameters():
-        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        grads[name] = g.clone()
-    return total, grads, micro
+    return total, full_grads(core.model), micro
 
 
 @pytest.mark.parametrize("positive_nll_coef", [0.0, 2.0])

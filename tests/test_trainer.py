@@ -22,7 +22,7 @@ from asyncrl.trainer.packing import (
     split_balanced,
 )
 
-from .conftest import wait_for_ranks
+from .conftest import full_grads, wait_for_ranks
 from .fsdp_worker import loss_fn, synthetic_sequences
 
 HERE = Path(__file__).resolve().parent
@@ -82,14 +82,6 @@ def test_the_scalar_head_gets_its_own_learning_rate(dist_info, tiny_model_dir):
     assert 0 < max(second[n] for n in backbone) <= 1.01e-5
 
 
-def _grads(core: TrainerCore) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, p in core.model.named_parameters():
-        g = p.grad
-        out[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).clone()
-    return out
-
-
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 def test_packed_loss_and_grads_equal_each_sequence_alone(dist_info, tiny_model_dir, layout):
     """Packing several sequences into one row (or padding them) gives the loss and
@@ -102,7 +94,7 @@ def test_packed_loss_and_grads_equal_each_sequence_alone(dist_info, tiny_model_d
     if layout == "packed":  # some row really holds several sequences
         assert any(((mb.position_ids == 0).sum(1) > 1).any() for mb in micro)
     stats = core.train_step(micro, loss_fn)
-    packed_grads = _grads(core)
+    packed_grads = full_grads(core.model)
 
     plain = load_model(ModelConfig(path=tiny_model_dir))
     total_targets = sum(sum(s.loss_mask) for s in seqs)
