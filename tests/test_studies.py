@@ -63,3 +63,18 @@ def test_throughput_study(tmp_path, tiny_model_dir):
         assert result[f"{mode}_s_to_target"] is not None and result[f"{mode}_s_to_target"] < 60
         assert result[f"{mode}_trained_tokens_per_s"] > 0
     assert (out / "results.csv").exists()
+
+
+def test_compare_policies_pairs_the_problems(tiny_model_dir):
+    """The same policy twice: equal accuracies and no discordant problem; and the sign
+    test against hand-computed values."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from compare_policies import sign_test
+
+    assert sign_test(0, 5) == 2 / 32 and sign_test(3, 3) == 1.0 and sign_test(0, 0) == 1.0
+    assert abs(sign_test(1, 9) - 2 * 11 / 1024) < 1e-12
+    figures = run_tool(["tools/compare_policies.py", "experiments/tiny_grpo.py", tiny_model_dir,
+                        tiny_model_dir, "--eval-size", "30"])  # fmt: skip
+    assert 0 < figures["problems"] <= 30
+    assert figures["accuracy_a"] == figures["accuracy_b"]
+    assert figures["b_right_a_wrong"] == figures["a_right_b_wrong"] == 0
