@@ -44,8 +44,8 @@ class BufferConfig:
     """p of pre-rollout filtering (GRESO): a prompt whose last z groups each had equal
     rewards is skipped in the prompt stream with probability 1 − (1 − p)^z, before any
     token is generated for it; a group with a spread of rewards resets z. Dynamic sampling
-    drops such groups after paying for them, and a prompt that gave none last time rarely
-    gives one now (one answered by every sample stays answered). 0 is off."""
+    drops such groups after paying for their tokens. 0 is off. On tiny_grpo (p 0.5, one
+    10-minute run): 19% more trained tokens/s, yet 62.0% held-out against 67.5%."""
     skip_uniform_min_reward: float | None = None
     """Only a uniform group whose reward is at least this counts toward the streak: 1.0
     with a 0/1 verifier skips solved prompts only, and keeps leasing the unsolved ones
