@@ -23,25 +23,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncrl.config import load_experiment  # noqa: E402
-from asyncrl.models import ModelConfig, load_model, load_tokenizer  # noqa: E402
+from asyncrl.evaluation import greedy_completions, make_eval_engine, tokenize_prompts  # noqa: E402
+from asyncrl.models import load_tokenizer  # noqa: E402
 from asyncrl.tasks import build_task  # noqa: E402
 
 
-def greedy_correct(policy: str, task, examples, max_new_tokens: int) -> list[bool]:
-    """Whether each example's greedy completion by ``policy`` scores above 0."""
-    tok, model = load_tokenizer(policy), load_model(ModelConfig(path=policy)).eval()
-    out = []
-    for ex in examples:
-        prompt = tok(ex.prompt, add_special_tokens=False)["input_ids"]
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id,
-                                 pad_token_id=tok.pad_token_id)[0, len(prompt):].tolist()  # fmt: skip
-        if tok.eos_token_id in gen:
-            gen = gen[: gen.index(tok.eos_token_id)]
-        out.append(task.score(ex, tok.decode(gen)) > 0)
-    return out
+def greedy_correct(policy: str, task, examples, cfg) -> list[bool]:
+    """Whether each example's greedy completion by ``policy`` gets full marks, as the
+    stages' held-out evaluation counts it (the embedded engine, ``greedy_completions``)."""
+    tokenizer = load_tokenizer(policy)
+    prompts = tokenize_prompts(tokenizer, examples)
+    engine = make_eval_engine(replace(cfg.model, path=policy), cfg.eval,
+                              max(len(p) for p in prompts), torch.device("cpu"))  # fmt: skip
+    completions = greedy_completions(engine, prompts, cfg.eval.max_new_tokens)
+    return [task.score(ex, tokenizer.decode(ids, skip_special_tokens=True)) >= 1.0 - 1e-6
+            for ex, ids in zip(examples, completions)]  # fmt: skip
 
 
 def sign_test(up: int, down: int) -> float:
@@ -64,8 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     rl_prompts = {ex.prompt for ex in build_task(cfg.task).examples(cfg.task.rl_split)}
     task = build_task(task_cfg)
     examples = [ex for ex in task.examples("eval") if ex.prompt not in rl_prompts]
-    a = greedy_correct(args.policy_a, task, examples, cfg.eval.max_new_tokens)
-    b = greedy_correct(args.policy_b, task, examples, cfg.eval.max_new_tokens)
+    a = greedy_correct(args.policy_a, task, examples, cfg)
+    b = greedy_correct(args.policy_b, task, examples, cfg)
     up = sum(y and not x for x, y in zip(a, b))
     down = sum(x and not y for x, y in zip(a, b))
     n = max(len(examples), 1)
