@@ -221,28 +221,35 @@ def test_buffer_invariants_under_random_schedules(eta, dynamic, seed, skip):
     event(f"prompts skipped as uniform: {bool(c['prompts_skipped'])}")
 
 
+def _two_prompts(position: int) -> tuple[int, list[int]]:
+    return position % 2, [7]
+
+
+def _by_prompt(prompt_id: int, completion: list[int], reason: str | None) -> float:
+    return 1.0 if prompt_id == 0 else float(completion[0] % 2)
+
+
+def _lease_six_rounds(**cfg_fields) -> tuple[RolloutBuffer, list[int]]:
+    """Prompt 0's samples always score 1, prompt 1's score 1 and 0 (tokens 1 and 2): six
+    rounds of leasing two samples and finishing them; returns the leased prompt ids."""
+    cfg = BufferConfig(prompts_per_batch=1, samples_per_prompt=2, max_staleness=None, **cfg_fields)
+    buffer = RolloutBuffer(cfg, "run", _two_prompts, _by_prompt, SamplingSpec())
+    leased = []
+    for round_ in range(6):
+        for lease in buffer.lease("g", 2, float(round_)):
+            leased.append(lease.prompt_id)
+            buffer.on_chunk(Chunk(run_id="run", worker_id="g", lease_id=lease.lease_id, seq=0,
+                                  token_ids=[lease.sample_index + 1], logprobs=[0.0], versions=[0],
+                                  finished=True, finish_reason="stop"), float(round_))  # fmt: skip
+    buffer.check_accounting()
+    return buffer, leased
+
+
 def test_skip_uniform_skips_prompts_whose_groups_had_no_spread():
-    """Prompt 0's samples always score 1, prompt 1's score 0 and 1: with p = 1 a uniform
-    prompt is skipped from its second turn on, before any lease; with p = 0 none is."""
-
-    def two_prompts(position: int) -> tuple[int, list[int]]:
-        return position % 2, [7]
-
-    def by_prompt(prompt_id: int, completion: list[int], reason: str | None) -> float:
-        return 1.0 if prompt_id == 0 else float(completion[0] % 2)
-
+    """With p = 1 a uniform prompt is skipped from its second turn on, before any lease;
+    with p = 0 none is; with a floor above its reward its groups do not count."""
     for p, expect_skipped in ((1.0, True), (0.0, False)):
-        cfg = BufferConfig(prompts_per_batch=1, samples_per_prompt=2, max_staleness=None,
-                           dynamic_sampling=True, skip_uniform=p)  # fmt: skip
-        buffer = RolloutBuffer(cfg, "run", two_prompts, by_prompt, SamplingSpec())
-        leased_prompts = []
-        for round_ in range(6):
-            for lease in buffer.lease("g", 2, float(round_)):
-                leased_prompts.append(lease.prompt_id)
-                token = lease.sample_index + 1  # samples 1 and 2: rewards 1 and 0 for prompt 1
-                buffer.on_chunk(Chunk(run_id="run", worker_id="g", lease_id=lease.lease_id, seq=0, token_ids=[token],
-                                      logprobs=[0.0], versions=[0], finished=True, finish_reason="stop"),
-                                float(round_))  # fmt: skip
+        buffer, leased_prompts = _lease_six_rounds(dynamic_sampling=True, skip_uniform=p)
         assert leased_prompts[:4] == [0, 0, 1, 1]  # both prompts' first turns are leased
         if expect_skipped:
             assert set(leased_prompts[4:]) == {1}, leased_prompts
@@ -250,16 +257,7 @@ def test_skip_uniform_skips_prompts_whose_groups_had_no_spread():
             assert buffer.uniform_streak == {0: 1}
         else:
             assert 0 in leased_prompts[4:] and not buffer.counts["prompts_skipped"]
-        buffer.check_accounting()
-    # With a floor above prompt 0's reward its uniform groups do not count: never skipped.
-    cfg = BufferConfig(prompts_per_batch=1, samples_per_prompt=2, max_staleness=None,
-                       skip_uniform=1.0, skip_uniform_min_reward=1.5)  # fmt: skip
-    buffer = RolloutBuffer(cfg, "run", two_prompts, by_prompt, SamplingSpec())
-    for round_ in range(6):
-        for lease in buffer.lease("g", 2, float(round_)):
-            buffer.on_chunk(Chunk(run_id="run", worker_id="g", lease_id=lease.lease_id, seq=0,
-                                  token_ids=[lease.sample_index + 1], logprobs=[0.0], versions=[0],
-                                  finished=True, finish_reason="stop"), float(round_))  # fmt: skip
+    buffer, _ = _lease_six_rounds(skip_uniform=1.0, skip_uniform_min_reward=1.5)
     assert not buffer.counts["prompts_skipped"] and not buffer.uniform_streak
 
 
