@@ -11,9 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_a_chaos_run_loses_nothing_and_counts_nothing_twice(tmp_path, tiny_model_dir):
-    """Three generator kills, one trainer kill and one buffer kill in a 30 s run: every
-    death is repaired by a restart, the trainer goes on past the last kill, and the
-    buffer's counters and the trainer's ledger agree that every consumed sample was
+    """Three generator kills, one trainer kill and one buffer kill in a 45 s run, none in
+    its last 18 s (a restart takes up to ~10 s here): every death is repaired by a
+    restart, the trainer goes on past the last kill, and the buffer's counters and the trainer's ledger agree that every consumed sample was
     trained on exactly once. A buffer that came back without its state, or a trainer
     served fresh batches for the steps it redid, would fail the accounting or lineage."""
     run_dir = tmp_path / "chaos"
@@ -25,7 +25,7 @@ def test_a_chaos_run_loses_nothing_and_counts_nothing_twice(tmp_path, tiny_model
     ]  # fmt: skip
     cmd = [
         sys.executable, "tools/chaos.py", "--experiment", "experiments/tiny_grpo.py",
-        "--minutes", "0.5", "--generator-kills", "3", "--trainer-kills", "1", "--buffer-kills", "1",
+        "--minutes", "0.75", "--calm-s", "18", "--generator-kills", "3", "--trainer-kills", "1", "--buffer-kills", "1",
         "--generator-gap", "6", "--other-gap", "10", "--checkpoint-every", "3", "--target", "0",
         "--seed", "1", "--out", str(run_dir), "--set", *overrides,
     ]  # fmt: skip
