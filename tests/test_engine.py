@@ -310,3 +310,51 @@ def test_sampling_follows_the_scaled_truncated_distribution():
     assert torch.allclose(freqs(SamplingParams(top_k=2)), top2, atol=0.015)
     # top_p = 0.8: tokens 4 (0.64) and 0 (0.23) reach it; the rest are cut.
     assert torch.allclose(freqs(SamplingParams(top_p=0.8)), top2, atol=0.015)
+
+
+def test_shared_prefill_equals_prefilling_each(tiny_model_dir):
+    """A GRPO group's samples share one prompt: with ``share_prefill`` it is prefilled
+    once per step and copied. Seeded per request, every request must get the same tokens
+    and (to float noise) the same logprobs as when each is prefilled on its own, with
+    groups split across steps by the slot limit and repeats of resumed prefixes too."""
+    rng = random.Random(3)
+    vocab = load_model(ModelConfig(path=tiny_model_dir)).config.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(2, 20))] for _ in range(12)]
+    requests = []
+    for p, prompt in enumerate(prompts):
+        # 1 to 5 samples of one prompt, some resumed with a partial completion (a reissued
+        # lease), which is shared only with an identical one
+        prefix = [rng.randrange(3, vocab) for _ in range(3)] if p % 4 == 3 else []
+        for j in range(rng.randint(1, 5)):
+            params = SamplingParams(
+                max_new_tokens=rng.randint(1, 9), temperature=1.0, seed=100 * p + j
+            )
+            requests.append(Request(f"{p}-{j}", prompt + prefix, params))
+
+    def generate(share: bool):
+        engine = EmbeddedEngine(
+            tiny_model_dir, EngineConfig(max_slots=6, max_seq_len=64, share_prefill=share)
+        )
+        engine.eos_ids = set()
+        for r in requests:
+            engine.submit(r)
+        tokens, finished = run_all(engine)
+        stats = engine.stats()
+        engine.close()
+        return tokens, finished, stats
+
+    shared, shared_done, stats = generate(True)
+    each, each_done, each_stats = generate(False)
+    assert set(shared) == set(each) == {r.request_id for r in requests}
+    for rid in each:
+        assert [t.token_id for t in shared[rid]] == [t.token_id for t in each[rid]], rid
+        assert torch.allclose(torch.tensor([t.logprob for t in shared[rid]]),
+                              torch.tensor([t.logprob for t in each[rid]]), atol=1e-5), rid  # fmt: skip
+        assert shared_done[rid].num_tokens == each_done[rid].num_tokens
+    assert (
+        stats["engine/shared_prefill_tokens"] > 0
+        and each_stats["engine/shared_prefill_tokens"] == 0
+    )
+    # Every prompt token is either prefilled or copied, never both.
+    assert (stats["engine/prefill_tokens"] + stats["engine/shared_prefill_tokens"]
+            == each_stats["engine/prefill_tokens"])  # fmt: skip

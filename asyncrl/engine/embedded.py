@@ -41,7 +41,12 @@ class EngineConfig:
     max_seq_len: int = 0
     """Longest prompt + completion; 0 means the model's ``max_position_embeddings``."""
     max_prefill_tokens: int = 2048
-    """Prompt tokens admitted (prefilled) in one step."""
+    """Prompt tokens admitted (prefilled) in one step; a prompt identical to one admitted
+    in the same step counts once (see ``share_prefill``)."""
+    share_prefill: bool = True
+    """Requests admitted in one step with identical tokens (a GRPO group's samples of one
+    prompt) are prefilled once: the others get a copy of its K/V and sample their first
+    token from its logits. Off prefills each, for the equivalence test and the ablation."""
     flip_policy: Literal["recompute", "keep"] = "recompute"
     """What in-flight sequences do when new weights are flipped in."""
     threads: int = 0
@@ -73,6 +78,7 @@ class _Counters:
     steps: int = 0
     tokens: int = 0
     prefill_tokens: int = 0
+    shared_prefill_tokens: int = 0
     finished: int = 0
     aborted: int = 0
     flips: int = 0
@@ -194,10 +200,7 @@ class EmbeddedEngine:
                 [len(s.tokens) - 1 for s in decoding],
             )
         if admitted:
-            prefill_logits = self._active.prefill(
-                self.cache, len(decoding), [s.tokens for s in admitted]
-            )
-            self.counters.prefill_tokens += sum(len(s.tokens) for s in admitted)
+            admitted, prefill_logits = self._prefill(admitted)
         if decoding:
             self._emit(decoding, decode_logits, tokens, finished)
         if admitted:
@@ -220,6 +223,7 @@ class EmbeddedEngine:
             "engine/steps": c.steps,
             "engine/tokens": c.tokens,
             "engine/prefill_tokens": c.prefill_tokens,
+            "engine/shared_prefill_tokens": c.shared_prefill_tokens,
             "engine/finished": c.finished,
             "engine/aborted": c.aborted,
             "engine/flips": c.flips,
@@ -235,13 +239,16 @@ class EmbeddedEngine:
 
     # ---- internals -----------------------------------------------------------------
     def _admit(self) -> list[_Sequence]:
-        admitted, budget = [], self.cfg.max_prefill_tokens
+        admitted, budget, seen = [], self.cfg.max_prefill_tokens, set()
         while self.waiting and self.free_slots:
             req = self.waiting[0]
-            if admitted and len(req.prompt_ids) > budget:
+            key = tuple(req.prompt_ids)
+            cost = 0 if self.cfg.share_prefill and key in seen else len(key)
+            if admitted and cost > budget:
                 break
             self.waiting.popleft()
-            budget -= len(req.prompt_ids)
+            budget -= cost
+            seen.add(key)
             generator = None
             if req.params.seed is not None:
                 generator = torch.Generator(device=self.device).manual_seed(req.params.seed)
@@ -250,6 +257,37 @@ class EmbeddedEngine:
             self.running[req.request_id] = seq
             admitted.append(seq)
         return admitted
+
+    def _prefill(self, admitted: list[_Sequence]) -> tuple[list[_Sequence], torch.Tensor]:
+        """Prefill the sequences just admitted (slots ``n … n+k-1``); returns them in slot
+        order with their logits ``[k, V]``.
+
+        With ``share_prefill``, each distinct token list is prefilled once: the first
+        sequence with each list moves to the front of the admitted slots, so that one
+        contiguous prefill covers them, and every repeat gets a copy of its K/V and its
+        logits row (from which it samples its own token)."""
+        base = admitted[0].slot
+        rows: dict[tuple[int, ...], int] = {}  # token list -> slot offset of its leader
+        leaders, repeats = [], []
+        for seq in admitted:
+            key = tuple(seq.tokens)
+            if self.cfg.share_prefill and key in rows:
+                repeats.append(seq)
+            else:
+                rows.setdefault(key, len(leaders))
+                leaders.append(seq)
+        order = leaders + repeats
+        for i, seq in enumerate(order):
+            seq.slot = base + i
+            self.slots[base + i] = seq
+        logits = self._active.prefill(self.cache, base, [s.tokens for s in leaders])
+        for seq in repeats:
+            self.cache.move(base + rows[tuple(seq.tokens)], seq.slot, len(seq.tokens))
+        self.counters.prefill_tokens += sum(len(s.tokens) for s in leaders)
+        self.counters.shared_prefill_tokens += sum(len(s.tokens) for s in repeats)
+        if repeats:
+            logits = logits[[rows[tuple(s.tokens)] for s in order]]
+        return order, logits
 
     @property
     def free_slots(self) -> int:
