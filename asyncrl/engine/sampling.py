@@ -50,11 +50,14 @@ def sample(
         top_p = torch.tensor([p.top_p for p in params], device=device)
         if bool((top_k > 0).any() or (top_p < 1.0).any()):
             scaled = _truncate(scaled, top_k, top_p)
-        uniform = torch.stack([
-            torch.rand(logits.shape[-1], generator=g, device=device) if g is not None
-            else torch.rand(logits.shape[-1], device=device)
-            for g in generators
-        ])  # fmt: skip
+        if any(g is not None for g in generators):
+            uniform = torch.stack([
+                torch.rand(logits.shape[-1], generator=g, device=device) if g is not None
+                else torch.rand(logits.shape[-1], device=device)
+                for g in generators
+            ])  # fmt: skip
+        else:  # no seeded row: one draw for the batch (a row per request costs a call each)
+            uniform = torch.rand(logits.shape, device=device)
         gumbel = -torch.log(-torch.log(uniform.clamp_(1e-20, 1.0 - 1e-7)))
         tokens = torch.where(greedy, tokens, (scaled + gumbel).argmax(-1))
     chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
