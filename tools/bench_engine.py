@@ -8,13 +8,18 @@ over ``--concurrency`` slots; ``generate`` runs the same requests in order, in s
 batches of the same size (left-padded, each batch decoding until its longest request is
 done). Only each request's own tokens count for both.
 
+Shared prefill: the same number of requests in groups of ``--group`` with one prompt (a
+GRPO group's samples, lengths drawn as above), through the engine with ``share_prefill``
+on and off, alternating within each run.
+
 Flip latency: all slots are filled, then decode steps are timed with no flips and with
 new weights staged every 10 steps (policy ``keep``: the flip itself; ``recompute`` also
 re-prefills every running sequence, reported apart). Each figure is the median over
 ``--runs`` runs. Ends with one JSON line:
 
     {"engine_tokens_per_s": ..., "hf_tokens_per_s": ..., "speedup": ...,
-     "step_ms_p99_flipping": ..., "step_ms_p99_steady": ...}
+     "grouped_shared_tokens_per_s": ..., "grouped_each_tokens_per_s": ...,
+     "share_prefill_speedup": ..., "step_ms_p99_flipping": ..., "step_ms_p99_steady": ...}
 """
 
 from __future__ import annotations
@@ -46,8 +51,10 @@ def make_requests(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
             for _ in range(n)]  # fmt: skip
 
 
-def engine_throughput(model_dir: str, requests, concurrency: int) -> float:
-    engine = EmbeddedEngine(model_dir, EngineConfig(max_slots=concurrency, max_seq_len=512))
+def engine_throughput(model_dir: str, requests, concurrency: int, share: bool = True) -> float:
+    engine = EmbeddedEngine(
+        model_dir, EngineConfig(max_slots=concurrency, max_seq_len=512, share_prefill=share)
+    )
     engine.eos_ids = set()  # lengths come from max_new_tokens, as in the HF run
     start = time.perf_counter()
     for i, (prompt, n) in enumerate(requests):
@@ -131,6 +138,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--latency-steps", type=int, default=300)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--group", type=int, default=4, help="requests per prompt (shared prefill)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = args.model
@@ -141,7 +149,18 @@ def main() -> None:
         )
     vocab = load_model(ModelConfig(path=model_dir)).config.vocab_size
     figures: dict[str, list[float]] = {
-        k: [] for k in ("engine", "hf", "speedup", "steady", "keep", "recompute")
+        k: []
+        for k in (
+            "engine",
+            "hf",
+            "speedup",
+            "shared",
+            "each",
+            "share_speedup",
+            "steady",
+            "keep",
+            "recompute",
+        )
     }
     for run in range(args.runs):
         requests = make_requests(args.requests, vocab, seed=run)
@@ -150,6 +169,14 @@ def main() -> None:
         figures["engine"].append(engine_rate)
         figures["hf"].append(hf_rate)
         figures["speedup"].append(engine_rate / hf_rate)
+        grouped = [r for r in requests[: args.requests // args.group] for _ in range(args.group)]
+        order = (True, False) if run % 2 == 0 else (False, True)  # alternate who goes first
+        rates = {
+            share: engine_throughput(model_dir, grouped, args.concurrency, share) for share in order
+        }
+        figures["shared"].append(rates[True])
+        figures["each"].append(rates[False])
+        figures["share_speedup"].append(rates[True] / rates[False])
         figures["steady"].append(
             p99(step_latencies(model_dir, args.concurrency, args.latency_steps, 0, "keep"))
         )
@@ -168,6 +195,10 @@ def main() -> None:
         "engine_tokens_per_s": round(med["engine"], 1),
         "hf_tokens_per_s": round(med["hf"], 1),
         "speedup": round(med["speedup"], 3),
+        "grouped_shared_tokens_per_s": round(med["shared"], 1),
+        "grouped_each_tokens_per_s": round(med["each"], 1),
+        "share_prefill_speedup": round(med["share_speedup"], 3),
+        "group": args.group,
         "step_ms_p99_flipping": round(med["keep"], 3),
         "step_ms_p99_steady": round(med["steady"], 3),
         "step_ms_p99_flipping_recompute": round(med["recompute"], 3),

@@ -73,7 +73,7 @@ class CachedDecoder:
         self.model = model
         self.apply_rope = importlib.import_module(type(model).__module__).apply_rotary_pos_emb
 
-    def _attention_inputs(self, layer, h: torch.Tensor, position_ids: torch.Tensor):
+    def _attention_inputs(self, layer, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         attn = layer.self_attn
         n, length, _ = h.shape
         head_dim = attn.head_dim
@@ -83,8 +83,7 @@ class CachedDecoder:
         if hasattr(attn, "q_norm"):  # Qwen3 normalizes q and k per head before rotary
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        cos, sin = self.model.model.rotary_emb(v, position_ids)
-        q, k = self.apply_rope(q, k, cos, sin)
+        q, k = self.apply_rope(q, k, *rope)
         return q, k, v
 
     def _finish_layer(self, layer, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
@@ -114,8 +113,9 @@ class CachedDecoder:
         positions = torch.arange(width, device=device)[None].expand(len(sequences), width)
         end = start + len(sequences)
         x = self.model.model.embed_tokens(ids)
+        rope = self.model.model.rotary_emb(x, positions)  # cos, sin: the same for every layer
         for i, layer in enumerate(self.model.model.layers):
-            q, k, v = self._attention_inputs(layer, layer.input_layernorm(x), positions)
+            q, k, v = self._attention_inputs(layer, layer.input_layernorm(x), rope)
             # Padding K/V land past each sequence's length, where decode masks them out
             # and later overwrites them.
             cache.k[i, start:end, :, :width] = k
@@ -144,8 +144,9 @@ class CachedDecoder:
         # [n, 1, 1, span]: each slot sees its own cached tokens and the new one.
         mask = (torch.arange(span, device=device)[None] <= pos[:, None])[:, None, None, :]
         x = self.model.model.embed_tokens(torch.tensor(tokens, device=device)[:, None])
+        rope = self.model.model.rotary_emb(x, pos[:, None])  # cos, sin: the same for every layer
         for i, layer in enumerate(self.model.model.layers):
-            q, k, v = self._attention_inputs(layer, layer.input_layernorm(x), pos[:, None])
+            q, k, v = self._attention_inputs(layer, layer.input_layernorm(x), rope)
             cache.k[i, slot_index, :, pos] = k[:, :, 0]
             cache.v[i, slot_index, :, pos] = v[:, :, 0]
             keys = cache.k[i, start:end, :, :span]
