@@ -13,9 +13,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_a_chaos_run_loses_nothing_and_counts_nothing_twice(tmp_path, tiny_model_dir):
     """Three generator kills, one trainer kill and one buffer kill in a 45 s run, none in
     its last 18 s (a restart takes up to ~10 s here): every death is repaired by a
-    restart, the trainer goes on past the last kill, and the buffer's counters and the trainer's ledger agree that every consumed sample was
-    trained on exactly once. A buffer that came back without its state, or a trainer
-    served fresh batches for the steps it redid, would fail the accounting or lineage."""
+    restart, the trainer goes on past the last kill, and the buffer's counters and the
+    trainer's ledger agree that every consumed sample was trained on exactly once. A
+    buffer that came back without its state, or a trainer served fresh batches for the
+    steps it redid, would fail the accounting or lineage."""
     run_dir = tmp_path / "chaos"
     overrides = [
         f"model.path={tiny_model_dir}", "task.train_size=200", "task.rl_split=train",

@@ -148,20 +148,8 @@ def main() -> None:
             build_tiny_model(Path(tempfile.mkdtemp()) / "tiny", alphabet, TinyModelConfig())
         )
     vocab = load_model(ModelConfig(path=model_dir)).config.vocab_size
-    figures: dict[str, list[float]] = {
-        k: []
-        for k in (
-            "engine",
-            "hf",
-            "speedup",
-            "shared",
-            "each",
-            "share_speedup",
-            "steady",
-            "keep",
-            "recompute",
-        )
-    }
+    names = ["engine", "hf", "speedup", "shared", "each", "share_speedup", "steady", "keep", "recompute"]  # fmt: skip
+    figures: dict[str, list[float]] = {k: [] for k in names}
     for run in range(args.runs):
         requests = make_requests(args.requests, vocab, seed=run)
         engine_rate = engine_throughput(model_dir, requests, args.concurrency)

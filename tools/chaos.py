@@ -12,9 +12,9 @@ each time) spread over the run at least ``--generator-gap`` s apart, and the tra
 rank) and the buffer from a quarter of the way in, at least ``--other-gap`` s from each
 other; none in the last ``--calm-s`` s, so that the last process killed has restarted and
 the run has gone on past it before the time limit (a restart imports torch and loads the
-model: several seconds on a loaded 2-core machine). A kill takes the pid from ``OUT/pids/NAME.pid`` only after ``/proc`` shows that
-process alive and running this run's module (a stale pid file never kills anything
-else), and waits for the launcher to start a new one. When the launcher has exited, the
+model: several seconds on a loaded 2-core machine). A kill takes the pid from
+``OUT/pids/NAME.pid`` only after ``/proc`` shows that process alive and running this
+run's module (a stale pid file never kills anything else), and waits for the launcher to start a new one. When the launcher has exited, the
 figures come from the run directory:
 
     launcher_exit, restarts / kills          its exit code; restarts it logged per role
@@ -57,6 +57,8 @@ MODULES = {"buffer": "asyncrl.buffer.server", "generator": "asyncrl.generator.wo
 """What ``-m`` a process of each role runs (the trainer's module is the stage's)."""
 GRACE_S = 60.0
 """After the time limit, for the final step and evaluation to land."""
+OTHERS_FROM = 0.25
+"""Fraction of the run before the first trainer or buffer kill."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -75,7 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default="", help="run directory (default runs/chaos/NAME-TIME)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="experiment overrides")
     args = p.parse_args(argv)
-    if args.calm_s >= 0.75 * args.minutes * 60:  # the trainer's and buffer's window is empty
+    if args.calm_s >= (1 - OTHERS_FROM) * args.minutes * 60:  # no window for trainer/buffer
         p.error(
             f"--calm-s {args.calm_s:g} leaves no time for kills in a {args.minutes:g}-minute run"
         )
@@ -98,7 +100,7 @@ def schedule(args, rng: random.Random, generators: int, ranks: int) -> list[tupl
            for t in spaced(rng, args.generator_kills, 0.05 * span, last, args.generator_gap)]  # fmt: skip
     others = ["buffer"] * args.buffer_kills + ["trainer"] * args.trainer_kills
     rng.shuffle(others)
-    for t, role in zip(spaced(rng, len(others), 0.25 * span, last, args.other_gap), others):
+    for t, role in zip(spaced(rng, len(others), OTHERS_FROM * span, last, args.other_gap), others):
         out.append((t, "buffer" if role == "buffer" else f"trainer_{rng.randrange(ranks)}"))
     return sorted(out)
 

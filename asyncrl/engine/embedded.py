@@ -267,26 +267,27 @@ class EmbeddedEngine:
         contiguous prefill covers them, and every repeat gets a copy of its K/V and its
         logits row (from which it samples its own token)."""
         base = admitted[0].slot
-        rows: dict[tuple[int, ...], int] = {}  # token list -> slot offset of its leader
-        leaders, repeats = [], []
+        row_of: dict[tuple[int, ...], int] = {}  # token list -> its leader's offset from base
+        leaders, repeats = [], []  # repeats: (sequence, its leader's offset)
         for seq in admitted:
             key = tuple(seq.tokens)
-            if self.cfg.share_prefill and key in rows:
-                repeats.append(seq)
-            else:
-                rows.setdefault(key, len(leaders))
+            row = row_of.get(key) if self.cfg.share_prefill else None
+            if row is None:
+                row_of[key] = len(leaders)
                 leaders.append(seq)
-        order = leaders + repeats
+            else:
+                repeats.append((seq, row))
+        order = leaders + [seq for seq, _ in repeats]
         for i, seq in enumerate(order):
             seq.slot = base + i
             self.slots[base + i] = seq
         logits = self._active.prefill(self.cache, base, [s.tokens for s in leaders])
-        for seq in repeats:
-            self.cache.move(base + rows[tuple(seq.tokens)], seq.slot, len(seq.tokens))
+        for seq, row in repeats:
+            self.cache.move(base + row, seq.slot, len(seq.tokens))
         self.counters.prefill_tokens += sum(len(s.tokens) for s in leaders)
-        self.counters.shared_prefill_tokens += sum(len(s.tokens) for s in repeats)
+        self.counters.shared_prefill_tokens += sum(len(s.tokens) for s, _ in repeats)
         if repeats:
-            logits = logits[[rows[tuple(s.tokens)] for s in order]]
+            logits = torch.cat([logits, logits[[row for _, row in repeats]]])
         return order, logits
 
     @property
