@@ -1,6 +1,7 @@
-"""The RL step's shortcut for proximal logprobs: taking them, detached, from the step's
-own forward gives the same loss and gradients as the separate no-grad pass (a batch gets
-one optimizer step, so both forwards see the same weights)."""
+"""The RL step's shortcuts: proximal logprobs taken, detached, from the step's own forward
+give the same loss and gradients as the separate no-grad pass (a batch gets one optimizer
+step, so both forwards see the same weights); a group's prompt computed once
+(``trainer.share_prefix``) gives the same as the flat layout."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from asyncrl.algorithms.losses import PPOLossConfig
 from asyncrl.config import ConfigError
-from asyncrl.models import ModelConfig
+from asyncrl.models import ModelConfig, load_model
 from asyncrl.stages.rl import RLConfig, RLExperiment
 from asyncrl.stages.rl_batch import penalize_kl_in_rewards, policy_loss, recompute_logprobs
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
@@ -41,13 +42,30 @@ def _batch(vocab: int, seed: int = 0) -> list[TokenSequence]:
     return out
 
 
-def _loss_and_grads(core: TrainerCore, seqs, cfg, separate_pass: bool):
-    micro = make_micro_batches(seqs, 256, "packed", 0)  # several micro-batches
+def _grouped_batch(vocab: int, sizes: list[int], seed: int = 0) -> list[TokenSequence]:
+    """Groups of samples of one prompt each, as ``to_sequences`` makes them."""
+    rng = random.Random(seed)
+    out = []
+    for n in sizes:
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(3, 12))]
+        adv = [rng.uniform(-1.5, 1.5) for _ in range(n)]
+        for a in adv:
+            completion = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 9))]
+            mask = [0] * len(prompt) + [1] * len(completion)
+            behavior = [rng.uniform(-4.0, -0.5) * m for m in mask]
+            fields = {"behavior": behavior, "advantages": [a * m for m in mask]}
+            out.append(TokenSequence(prompt + completion, mask, fields))
+    return out
+
+
+def _loss_and_grads(core: TrainerCore, seqs, cfg, separate_pass: bool, reference=None,
+                    sizes: int | list[int] = 1, share: bool = False, row: int = 256):  # fmt: skip
+    micro = make_micro_batches(seqs, row, "packed", 0, row, sizes, share)  # several micro-batches
     assert len(micro) > 1
-    recompute_logprobs(core, micro, None, TEMPERATURE, proximal=separate_pass)
+    recompute_logprobs(core, micro, reference, TEMPERATURE, proximal=separate_pass)
     assert ("proximal" in micro[0].fields) == separate_pass
     loss_fn = policy_loss(cfg, TEMPERATURE)
-    core.model.zero_grad(set_to_none=True)
+    core.optimizer.zero_grad(set_to_none=True)
     total = torch.zeros(())
     for mb in micro:
         loss_sum, _ = loss_fn(core.forward(mb), mb)
@@ -80,6 +98,50 @@ def test_proximal_from_the_steps_own_forward_equals_the_separate_pass(
         own = policy_loss(cfg, TEMPERATURE)(core.forward(first), first)[0]
         other = replace(first, fields={**first.fields, "proximal": first.fields["behavior"]})
         assert not torch.allclose(policy_loss(cfg, TEMPERATURE)(core.forward(other), other)[0], own)
+
+
+@pytest.mark.parametrize("separate_pass", [False, True])
+def test_a_shared_prompt_gives_the_flat_layouts_loss_and_gradients(
+    dist_info, tiny_model_dir, separate_pass
+):
+    """Each group laid out as a tree over its prompt: the same loss and gradients as every
+    sample on its own, with a KL term to a reference model and an entropy bonus (every
+    quantity read from the realigned logits), in fewer forward positions."""
+    loss = PPOLossConfig(clip_low=0.2, clip_high=0.28, iw_cap=2.0, positive_nll_coef=2.0,
+                         kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01)  # fmt: skip
+    cfg = RLExperiment(rl=RLConfig(loss=loss))
+    model_cfg = ModelConfig(path=tiny_model_dir)
+    core = TrainerCore(model_cfg, TrainerConfig(), OptimConfig(), dist_info, 0)
+    reference = load_model(model_cfg, dist_info.device).eval()
+    with torch.no_grad():  # a reference unlike the policy, so the KL term is not 0
+        for p in reference.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    sizes = [4, 4, 1, 3, 4, 2, 4, 4]
+    seqs = _grouped_batch(core.model.config.vocab_size, sizes)
+    args = (core, seqs, cfg, separate_pass, reference, sizes)
+    loss_flat, grads_flat, flat = _loss_and_grads(*args, share=False, row=64)
+    loss_tree, grads_tree, tree = _loss_and_grads(*args, share=True, row=64)
+    assert torch.isfinite(loss_flat) and loss_flat != 0
+    torch.testing.assert_close(loss_tree, loss_flat, rtol=1e-5, atol=1e-6)
+    for name in grads_flat:
+        torch.testing.assert_close(grads_tree[name], grads_flat[name], rtol=1e-4, atol=1e-5)
+    assert sum(mb.num_tokens for mb in tree) == sum(mb.num_tokens for mb in flat)
+    # each group's prompt is computed once instead of n times
+    firsts = [sum(sizes[:i]) for i in range(len(sizes))]
+    saved = sum((n - 1) * seqs[i].loss_mask.index(1) for n, i in zip(sizes, firsts))
+    forward = [sum(mb.forward_tokens for mb in layout) for layout in (flat, tree)]
+    assert forward[0] == sum(len(s) for s in seqs) and forward[0] - forward[1] == saved
+
+
+def test_share_prefix_lays_out_whole_groups_only():
+    seqs = _grouped_batch(20, [3, 2])
+    with pytest.raises(ValueError, match="do not split into groups"):
+        make_micro_batches(seqs, 256, "packed", 0, 128, [3, 3], True)
+    with pytest.raises(ValueError, match="packed layout"):
+        make_micro_batches(seqs, 256, "padded", 0, 128, [3, 2], True)
+    cfg = RLExperiment(rl=RLConfig(algorithm="ppo"), trainer=TrainerConfig(share_prefix=True))
+    with pytest.raises(ConfigError, match="share_prefix"):
+        cfg.finalize()
 
 
 def test_kl_in_reward_penalizes_the_packed_token_rewards():

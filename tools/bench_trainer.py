@@ -1,12 +1,16 @@
-"""Benchmark: trainer tokens/s on the tiny model, packed against padded micro-batches.
+"""Benchmark: trainer tokens/s on the tiny model, packed against padded micro-batches, or
+with ``--group-size N``, GRPO groups with their prompt shared against packed flat.
 
 Both layouts train on the same variable-length sequences (lengths drawn log-uniformly
 over a wide range, as RL completions are) with the same token budget per micro-batch,
-through the real FSDP2 trainer core on one gloo rank. Layouts alternate step by step so
-machine noise hits both alike; the figure is the median over rounds of real (non-pad)
-tokens per second. Ends with one JSON line:
+through the real FSDP2 trainer core on one gloo rank. With ``--group-size`` each batch is
+groups of N completions (lengths drawn the same way) after one ``--prompt-len`` prompt,
+as an RL batch is. Layouts alternate so machine noise hits both alike; the figure is the
+median over rounds of the batch's tokens (every sequence whole, no padding) per second.
+Ends with one JSON line:
 
     {"packed_tokens_per_s": ..., "padded_tokens_per_s": ..., "speedup": ...}
+    {"shared_tokens_per_s": ..., "packed_tokens_per_s": ..., "speedup": ...}  (groups)
 """
 
 from __future__ import annotations
@@ -44,6 +48,20 @@ def variable_length_batch(
     return seqs
 
 
+def grouped_batch(
+    rng: random.Random, size: int, group: int, prompt_len: int, vocab: int, lo: int, hi: int
+) -> list[TokenSequence]:
+    """``size`` sequences in groups of ``group`` sharing one prompt each."""
+    seqs = []
+    for _ in range(size // group):
+        prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+        for _ in range(group):
+            length = int(math.exp(rng.uniform(math.log(lo), math.log(hi))))
+            ids = prompt + [rng.randrange(3, vocab) for _ in range(length)]
+            seqs.append(TokenSequence(ids, [0] * prompt_len + [1] * length))
+    return seqs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -59,6 +77,10 @@ def main() -> None:
     parser.add_argument("--micro-batch-tokens", type=int, default=4096)
     parser.add_argument("--row-tokens", type=int, default=512)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument(
+        "--group-size", type=int, default=1, help=">1: GRPO groups, shared prompt vs flat"
+    )
+    parser.add_argument("--prompt-len", type=int, default=18, help="with --group-size")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -79,40 +101,46 @@ def main() -> None:
     def loss_fn(logits, mb):
         return sft_loss(logits, mb.input_ids, mb.loss_mask)
 
-    rates: dict[str, list[float]] = {"packed": [], "padded": []}
+    grouped = args.group_size > 1
+    # name -> (layout, share_prefix)
+    layouts = ({"shared": ("packed", True), "packed": ("packed", False)} if grouped
+               else {"packed": ("packed", False), "padded": ("padded", False)})  # fmt: skip
+    group = args.group_size if grouped else 1
+    rates: dict[str, list[float]] = {name: [] for name in layouts}
     batches = [
-        variable_length_batch(rng, args.batch, vocab, args.min_len, args.max_len)
+        grouped_batch(rng, args.batch, group, args.prompt_len, vocab, args.min_len, args.max_len)
+        if grouped
+        else variable_length_batch(rng, args.batch, vocab, args.min_len, args.max_len)
         for _ in range(args.steps)
     ]
-    for layout in rates:  # warm-up, untimed
-        core.train_step(
-            make_micro_batches(batches[0], args.micro_batch_tokens, layout, 0, args.row_tokens),
-            loss_fn,
+
+    def micro_batches(batch, name):
+        layout, share = layouts[name]
+        return make_micro_batches(
+            batch, args.micro_batch_tokens, layout, 0, args.row_tokens, group, share
         )
+
+    for name in rates:  # warm-up, untimed
+        core.train_step(micro_batches(batches[0], name), loss_fn)
     for _ in range(args.rounds):
         for layout in rates:
             tokens, seconds = 0, 0.0
             for batch in batches:
-                micro = make_micro_batches(
-                    batch, args.micro_batch_tokens, layout, 0, args.row_tokens
-                )
+                micro = micro_batches(batch, layout)
                 start = time.perf_counter()
                 core.train_step(micro, loss_fn)
                 seconds += time.perf_counter() - start
                 tokens += sum(len(s) for s in batch)
             rates[layout].append(tokens / seconds)
     shutdown_distributed()
-    packed, padded = statistics.median(rates["packed"]), statistics.median(rates["padded"])
-    per_round = [p / q for p, q in zip(rates["packed"], rates["padded"])]
-    print(
-        f"rounds: packed {[round(r) for r in rates['packed']]}, padded {[round(r) for r in rates['padded']]}",
-        file=sys.stderr,
-    )
+    new, old = list(rates)
+    per_round = [p / q for p, q in zip(rates[new], rates[old])]
+    print(f"rounds: { ({k: [round(r) for r in v] for k, v in rates.items()}) }", file=sys.stderr)
     print(
         json.dumps(
             {
-                "packed_tokens_per_s": round(packed, 1),
-                "padded_tokens_per_s": round(padded, 1),
+                f"{new}_tokens_per_s": round(statistics.median(rates[new]), 1),
+                f"{old}_tokens_per_s": round(statistics.median(rates[old]), 1),
                 "speedup": round(statistics.median(per_round), 3),
                 "rounds": args.rounds,
                 "device": str(info.device),

@@ -43,6 +43,7 @@ from asyncrl.stages.common import (
 )
 from asyncrl.stages.critic import Critic, CriticConfig
 from asyncrl.stages.rl_batch import (
+    group_sizes,
     penalize_kl_in_rewards,
     policy_loss,
     recompute_logprobs,
@@ -140,6 +141,12 @@ class RLExperiment:
             raise ConfigError(f"rl.loss.kl_in_reward puts the KL penalty in PPO's token rewards; "
                               f"rl.algorithm={self.rl.algorithm} sees one reward per sample: set "
                               f"rl.algorithm=ppo or rl.loss.kl_in_reward=false (KL in the loss)")  # fmt: skip
+        if self.trainer.share_prefix and (
+            self.rl.algorithm == "ppo" or self.trainer.packing != "packed"
+        ):
+            raise ConfigError(f"trainer.share_prefix lays out GRPO/RLOO groups as trees over their prompt: "
+                              f"it needs trainer.packing=packed (got {self.trainer.packing}) and no critic "
+                              f"(rl.algorithm={self.rl.algorithm}; PPO's GAE reads flat rows)")  # fmt: skip
         if self.placement == "colocated":
             if self.trainer.num_ranks != 1:
                 raise ConfigError("placement=colocated runs one process: set trainer.num_ranks=1")
@@ -234,7 +241,8 @@ def run(cfg: RLExperiment, info: DistInfo) -> dict:
                                      wait_tick_s=max(1.0, 5 * cfg.transport.heartbeat_s))  # fmt: skip
         waited = time.perf_counter() - wait
         micro = make_micro_batches(to_sequences(batch.samples, cfg), cfg.trainer.micro_batch_tokens,
-                                   cfg.trainer.packing, tokenizer.pad_token_id, cfg.trainer.row_tokens)  # fmt: skip
+                                   cfg.trainer.packing, tokenizer.pad_token_id, cfg.trainer.row_tokens,
+                                   group_sizes(batch.samples), cfg.trainer.share_prefix)  # fmt: skip
         # 2. proximal logprobs: the weights at the start of this step, no grad (by default
         #    taken detached from the step's own forward, which has those weights)
         recompute_logprobs(core, micro, reference, temperature, cfg.rl.proximal_pass)

@@ -54,6 +54,14 @@ def to_sequences(samples: list[Sample], cfg) -> list[TokenSequence]:
     return out
 
 
+def group_sizes(samples: list[Sample]) -> list[int]:
+    """Sizes of the consecutive groups ``to_sequences`` makes of ``samples``, in its order."""
+    sizes: dict[int, int] = {}
+    for s in samples:
+        sizes[s.group_id] = sizes.get(s.group_id, 0) + 1
+    return list(sizes.values())
+
+
 def recompute_logprobs(
     core: TrainerCore,
     micro: list[MicroBatch],
@@ -76,6 +84,7 @@ def recompute_logprobs(
             if reference is not None:
                 logits = reference(input_ids=moved.input_ids, position_ids=moved.position_ids,
                                    attention_mask=moved.attention_mask, use_cache=False).logits  # fmt: skip
+                logits = moved.align_logits(logits)
                 mb.fields["reference"] = token_logprobs(logits, moved.input_ids, temperature).cpu()
 
 

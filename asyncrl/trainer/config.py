@@ -51,6 +51,10 @@ class TrainerConfig:
     packing: Literal["packed", "padded"] = "packed"
     """``packed`` concatenates sequences with restarting position ids; ``padded`` pads rows
     to the longest sequence (kept as a baseline for benchmarks and equivalence tests)."""
+    share_prefix: bool = False
+    """RL (GRPO, RLOO): lay out each group's samples as one tree over their common prompt,
+    which is then computed once instead of n times (packed only; not with PPO's critic).
+    Same loss and gradients as the flat layout; a test checks it."""
     checkpoint_every: int = 0
     """Write a checkpoint every this many steps (0: only at the end)."""
     keep_checkpoints: int = 2

@@ -120,15 +120,15 @@ class TrainerCore:
         self.nonfinite_in_a_row = 0
 
     def forward(self, mb: MicroBatch) -> torch.Tensor:
-        """Logits ``[rows, T, V]`` of one micro-batch (packed or padded); V = 1 for a
-        value head."""
+        """Logits ``[rows, T, V]`` of one micro-batch (packed, padded or with shared
+        prefixes, realigned by ``MicroBatch.align_logits``); V = 1 for a value head."""
         out = self.model(
             input_ids=mb.input_ids,
             position_ids=mb.position_ids,
             attention_mask=mb.attention_mask,
             use_cache=False,  # with no cache, packed position ids give a block-diagonal mask
         )
-        return out.logits
+        return mb.align_logits(out.logits)
 
     def align(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
         """Pad the list with empty micro-batches up to the largest count over ranks."""

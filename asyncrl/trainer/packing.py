@@ -7,6 +7,12 @@ packed micro-batch is a few rows, each several sequences concatenated with posit
 restarting at 0, which transformers turns into a block-diagonal causal mask (with no
 cache and no attention mask), so no token attends across a sequence boundary. Short rows
 keep the quadratic attention cost low. The ``padded`` layout exists as a baseline.
+
+With ``share_prefix`` a group (GRPO's n samples of one prompt) is laid out as a tree: the
+prompt once, then each completion, with position ids continuing from the prompt, a 4D
+mask that lets a completion see the prompt and itself only, and ``parents``: the logits
+predicting a completion's first token are the prompt's last. ``TrainerCore.forward``
+realigns the logits so every loss reads them as in the flat layout.
 """
 
 from __future__ import annotations
@@ -49,7 +55,11 @@ class MicroBatch:
     sequence_ids: torch.Tensor | None = None
     """``[rows, L]`` long: which sequence (its index in ``seq_lens``) each token belongs
     to, -1 on padding. Per-sequence quantities (a DPO logprob sum, a reward model's score)
-    are read through it."""
+    are read through it. A shared prefix belongs to its group's first sequence."""
+    parents: torch.Tensor | None = None
+    """``[rows, L]`` long, with a shared prefix only: the position in the row of the logits
+    that predict each token (``t - 1``, except a completion's first token, predicted at
+    the prompt's last). None: ``t - 1`` everywhere."""
 
     @property
     def num_tokens(self) -> int:
@@ -65,7 +75,27 @@ class MicroBatch:
             fields={k: move(v) for k, v in self.fields.items()},
             seq_lens=self.seq_lens,
             sequence_ids=move(self.sequence_ids),
+            parents=move(self.parents),
         )
+
+    @property
+    def forward_tokens(self) -> int:
+        """Positions the forward computes, padding aside: less than ``num_tokens`` when a
+        prefix is shared."""
+        if self.sequence_ids is None:
+            return self.num_tokens
+        return int((self.sequence_ids >= 0).sum())
+
+    def align_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[rows, L, V]`` logits of a forward over this micro-batch, moved so that position
+        ``t`` holds the logits that predict token ``t + 1``, as in a flat row: every loss
+        then reads them the same way whatever the layout. Unchanged without ``parents``."""
+        if self.parents is None:
+            return logits
+        # the last position predicts nothing; it keeps its own logits
+        last = self.parents.new_full((self.parents.shape[0], 1), self.parents.shape[1] - 1)
+        index = torch.cat([self.parents[:, 1:], last], dim=1)
+        return logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
 
     def sequence_sums(self, values: torch.Tensor) -> torch.Tensor:
         """``[S]``: the sum of ``values`` (``[rows, L]``) over each sequence's tokens."""
@@ -120,36 +150,113 @@ def split_balanced(lengths: list[int], parts: int) -> list[list[int]]:
     return [sorted(g) for g in groups]
 
 
-def _collate_rows(rows: list[list[TokenSequence]], pad_id: int, with_mask: bool) -> MicroBatch:
-    """Rows of concatenated sequences, tail-padded to the longest row.
+@dataclass
+class _Unit:
+    """Sequences laid out together in one row: their first ``prefix`` tokens once, then
+    each one's remaining tokens (``prefix`` 0: the sequences one after another)."""
+
+    members: list[TokenSequence]
+    prefix: int = 0
+
+    def __len__(self) -> int:
+        return self.prefix + sum(len(s) - self.prefix for s in self.members)
+
+
+def shared_prefix(members: list[TokenSequence]) -> int:
+    """Length of the prefix a group can share: tokens equal in every member, none of them
+    a target, and at least one token of each member left after it."""
+    if len(members) < 2:
+        return 0
+    limit = min(len(s) for s in members) - 1
+    first = members[0]
+    n = 0
+    while (
+        n < limit
+        and not first.loss_mask[n]
+        and all(s.input_ids[n] == first.input_ids[n] and not s.loss_mask[n] for s in members[1:])
+    ):
+        n += 1
+    return n
+
+
+def _collate_rows(rows: list[list[_Unit]], pad_id: int, layout: str) -> MicroBatch:
+    """Rows of concatenated units, tail-padded to the longest row.
 
     Position ids restart at 0 for every sequence and for the padding tail, so without an
-    attention mask each sequence (and the padding) is its own causal block.
+    attention mask each sequence (and the padding) is its own causal block. A unit with a
+    shared prefix continues its members' position ids after the prefix; the ``tree``
+    layout then carries a 4D mask and ``parents``.
     """
-    width = max(sum(len(s) for s in row) for row in rows)
-    names = list(rows[0][0].fields)
-    ids, pos, mask, attn, seq_ids = [], [], [], [], []
+    width = max(sum(len(u) for u in row) for row in rows)
+    names = list(rows[0][0].members[0].fields)
+    ids, pos, mask, attn, seq_ids, parents, unit_ids, branches = ([] for _ in range(8))
     fields: dict[str, list] = {n: [] for n in names}
-    count = 0
+    count = units = 0
     for row in rows:
-        tail = width - sum(len(s) for s in row)
-        seq_ids.append([count + i for i, s in enumerate(row) for _ in s.input_ids] + [-1] * tail)
-        count += len(row)
-        ids.append([t for s in row for t in s.input_ids] + [pad_id] * tail)
-        pos.append([p for s in row for p in range(len(s))] + list(range(tail)))
-        mask.append([m for s in row for m in s.loss_mask] + [0] * tail)
-        attn.append([1] * (width - tail) + [0] * tail)
+        r_ids, r_pos, r_mask, r_seq, r_par, r_unit, r_branch = ([] for _ in range(7))
+        r_fields: dict[str, list] = {n: [] for n in names}
+        for unit in row:
+            p, head = unit.prefix, unit.members[0]
+            start = len(r_ids)
+            for branch, s in enumerate([None, *unit.members]):
+                # branch 0 is the shared prefix (taken from the first member)
+                lo, hi, src = (0, p, head) if s is None else (p, len(s), s)
+                r_ids += src.input_ids[lo:hi]
+                r_pos += range(lo, hi)
+                r_mask += src.loss_mask[lo:hi]
+                r_seq += [count + max(branch - 1, 0)] * (hi - lo)
+                first = len(r_par)
+                r_par += range(first - 1, first - 1 + hi - lo)
+                if s is not None and p and hi > lo:
+                    r_par[first] = start + p - 1  # predicted at the prompt's last token
+                elif hi > lo and lo == 0:
+                    r_par[first] = first  # a sequence's first token: nothing predicts it
+                r_unit += [units] * (hi - lo)
+                r_branch += [branch] * (hi - lo)
+                for n in names:
+                    r_fields[n] += src.fields[n][lo:hi]
+            count += len(unit.members)
+            units += 1
+        tail = width - len(r_ids)
+        ids.append(r_ids + [pad_id] * tail)
+        pos.append(r_pos + list(range(tail)))
+        mask.append(r_mask + [0] * tail)
+        attn.append([1] * len(r_ids) + [0] * tail)
+        seq_ids.append(r_seq + [-1] * tail)
+        parents.append(r_par + list(range(len(r_par), width)))
+        unit_ids.append(r_unit + [-1] * tail)
+        branches.append(r_branch + [0] * tail)
         for n in names:
-            fields[n].append([x for s in row for x in s.fields[n]] + [0.0] * tail)
+            fields[n].append(r_fields[n] + [0.0] * tail)
+    attention_mask = None
+    if layout == "padded":
+        attention_mask = torch.tensor(attn, dtype=torch.long)
+    elif layout == "tree":
+        attention_mask = _tree_mask(torch.tensor(unit_ids), torch.tensor(branches))
     return MicroBatch(
         input_ids=torch.tensor(ids, dtype=torch.long),
         position_ids=torch.tensor(pos, dtype=torch.long),
         loss_mask=torch.tensor(mask, dtype=torch.float32),
-        attention_mask=torch.tensor(attn, dtype=torch.long) if with_mask else None,
+        attention_mask=attention_mask,
         fields={n: torch.tensor(v, dtype=torch.float32) for n, v in fields.items()},
-        seq_lens=[len(s) for row in rows for s in row],
+        seq_lens=[len(s) for row in rows for u in row for s in u.members],
         sequence_ids=torch.tensor(seq_ids, dtype=torch.long),
+        parents=torch.tensor(parents, dtype=torch.long) if layout == "tree" else None,
     )
+
+
+def _tree_mask(unit: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+    """``[rows, 1, L, L]`` bool, True where query q may attend to key k: same unit (the
+    padding tail is one), k not after q, and k in the shared prefix or q's own branch."""
+    queries, keys = (
+        (unit.unsqueeze(2), branch.unsqueeze(2)),
+        (unit.unsqueeze(1), branch.unsqueeze(1)),
+    )
+    same_unit = queries[0] == keys[0]  # [rows, L, L]
+    length = unit.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    visible = (keys[1] == 0) | (keys[1] == queries[1])
+    return (same_unit & causal & visible).unsqueeze(1)
 
 
 def make_micro_batches(
@@ -158,7 +265,8 @@ def make_micro_batches(
     layout: str = "packed",
     pad_id: int = 0,
     row_tokens: int = 256,
-    group_size: int = 1,
+    group_size: int | list[int] = 1,
+    share_prefix: bool = False,
 ) -> list[MicroBatch]:
     """Group ``seqs`` into micro-batches of at most ``budget`` tokens (rows × width).
 
@@ -171,38 +279,49 @@ def make_micro_batches(
     ``group_size`` > 1 keeps each run of that many consecutive sequences together, in
     their order: in one row when packed, in consecutive rows of one micro-batch when
     padded. A preference pair (chosen, rejected) is such a group, so its loss is computed
-    within one micro-batch from consecutive entries of ``seq_lens``.
+    within one micro-batch from consecutive entries of ``seq_lens``. A list gives the
+    size of each consecutive group (GRPO's groups, when some lost samples).
+
+    ``share_prefix`` (packed only): each group's common prompt (``shared_prefix``) is
+    computed once, its members' remaining tokens attending to it through a 4D mask.
     """
     if not seqs:
         return []
-    if len(seqs) % group_size:
+    sizes = group_size if isinstance(group_size, list) else [group_size] * (len(seqs) // group_size)
+    if sum(sizes) != len(seqs) or min(sizes) < 1:
         raise ValueError(f"{len(seqs)} sequences do not split into groups of {group_size}")
+    if share_prefix and layout != "packed":
+        raise ValueError(f"share_prefix needs the packed layout, not {layout!r}")
     for s in seqs:
         if len(s) < 2 or s.loss_mask[0]:
             raise ValueError("a sequence needs at least 2 tokens and no target at position 0")
-    units = [seqs[i : i + group_size] for i in range(0, len(seqs), group_size)]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    groups = [seqs[a : a + n] for a, n in zip(starts, sizes)]
     if layout == "packed":
-        bins = first_fit_decreasing([sum(len(s) for s in u) for u in units], row_tokens)
-        rows = [[s for i in sorted(b) for s in units[i]] for b in bins]
-        rows.sort(key=lambda r: -sum(len(s) for s in r))  # widest first: little tail padding
+        units = [[_Unit(g, shared_prefix(g))] if share_prefix else [_Unit([s]) for s in g]
+                 for g in groups]  # fmt: skip
+        bins = first_fit_decreasing([sum(len(u) for u in g) for g in units], row_tokens)
+        rows = [[u for i in sorted(b) for u in units[i]] for b in bins]
+        rows.sort(key=lambda r: -sum(len(u) for u in r))  # widest first: little tail padding
         blocks = [[row] for row in rows]
     elif layout == "padded":
         # arrival order, as a plain padded data loader has it
-        blocks = [[[s] for s in u] for u in units]
+        blocks = [[[_Unit([s])] for s in g] for g in groups]
     else:
         raise ValueError(f"unknown layout {layout!r}")
-    groups: list[list[list[TokenSequence]]] = [[]]
+    batches: list[list[list[_Unit]]] = [[]]
     for block in blocks:
-        group = groups[-1]
-        width = max([sum(len(s) for s in r) for r in group + block])
-        if group and (len(group) + len(block)) * width > budget:
-            groups.append([])
-        groups[-1].extend(block)
-    return [_collate_rows(g, pad_id, with_mask=layout == "padded") for g in groups]
+        batch = batches[-1]
+        width = max([sum(len(u) for u in r) for r in batch + block])
+        if batch and (len(batch) + len(block)) * width > budget:
+            batches.append([])
+        batches[-1].extend(block)
+    collate = "tree" if share_prefix else layout
+    return [_collate_rows(b, pad_id, collate) for b in batches]
 
 
 def dummy_micro_batch(pad_id: int, field_names: list[str]) -> MicroBatch:
     """A two-token micro-batch with no targets, run by a rank that has fewer micro-batches
     than its peers so every rank joins the same number of FSDP collectives."""
     seq = TokenSequence([pad_id, pad_id], [0, 0], {n: [0.0, 0.0] for n in field_names})
-    return _collate_rows([[seq]], pad_id, with_mask=False)
+    return _collate_rows([[_Unit([seq])]], pad_id, "packed")
