@@ -47,4 +47,8 @@ config = replace(
     # figures were measured with (tiny_grpo's cosine from 2e-4 was measured on GRPO only).
     optim=OptimConfig(lr=1e-4, warmup_steps=20, schedule="constant"),
     buffer=replace(grpo.buffer, dynamic_sampling=False),
+    # The critic's GAE reads flat rows, so no shared prompts; and one generator, the
+    # placement tiny_chain's figures were measured with.
+    trainer=replace(grpo.trainer, share_prefix=False),
+    num_generators=1,
 )

@@ -22,7 +22,7 @@ def test_a_chaos_run_loses_nothing_and_counts_nothing_twice(tmp_path, tiny_model
         f"model.path={tiny_model_dir}", "task.train_size=200", "task.rl_split=train",
         "buffer.prompts_per_batch=2", "buffer.samples_per_prompt=4", "buffer.dynamic_sampling=false",
         "buffer.heartbeat_timeout_s=2", "buffer.checkpoint_s=5", "engine.max_slots=8",
-        "transport.heartbeat_s=0.2", "eval.every_steps=0", "rl.max_steps=100000",
+        "transport.heartbeat_s=0.2", "eval.every_steps=0", "rl.max_steps=100000", "num_generators=1",
     ]  # fmt: skip
     cmd = [
         sys.executable, "tools/chaos.py", "--experiment", "experiments/tiny_grpo.py",

@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SHORT_RUN = [
     "eval.every_steps=0", "task.train_size=200", "buffer.prompts_per_batch=2", "buffer.samples_per_prompt=4",
     "buffer.dynamic_sampling=false", "engine.max_slots=8", "transport.heartbeat_s=0.2", "metrics.tensorboard=false",
+    "num_generators=1",
 ]  # fmt: skip
 
 
