@@ -41,8 +41,13 @@ config = RLExperiment(
     num_generators=2,
     # A checkpoint every 50 steps (~80 s, ~0.2 s each): a trainer that dies redoes at most
     # that many steps, and the buffer keeps at most that many steps' batches to serve again.
-    trainer=TrainerConfig(num_ranks=1, threads_per_rank=1, micro_batch_tokens=4096,
-                          checkpoint_every=50, share_prefix=True),  # fmt: skip
+    trainer=TrainerConfig(
+        num_ranks=1,
+        threads_per_rank=1,
+        micro_batch_tokens=4096,
+        checkpoint_every=50,
+        share_prefix=True,
+    ),
     # Measured on this SFT model: the update noise of a batch decides the usable rate. With
     # 8 prompts a step, 1e-4 and above fell to 17-30% held-out within 150 steps (so did SFT
     # on ground truth at 8 examples a step and 3e-4); 64 prompts of 4 samples took 1e-4
