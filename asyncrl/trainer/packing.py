@@ -18,6 +18,7 @@ realigns the logits so every loss reads them as in the flat layout.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -295,7 +296,7 @@ def make_micro_batches(
     for s in seqs:
         if len(s) < 2 or s.loss_mask[0]:
             raise ValueError("a sequence needs at least 2 tokens and no target at position 0")
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    starts = list(accumulate(sizes, initial=0))
     groups = [seqs[a : a + n] for a, n in zip(starts, sizes)]
     if layout == "packed":
         units = [[_Unit(g, shared_prefix(g))] if share_prefix else [_Unit([s]) for s in g]
