@@ -59,6 +59,7 @@ def test_launcher_runs_tiny_grpo(tmp_path, tiny_model_dir, max_staleness):
     assert sorted(p.name for p in (run_dir / "logs").iterdir()) == [
         "buffer.log",
         "generator_0.log",
+        "generator_1.log",  # tiny_grpo runs two generator processes
         "trainer_0.log",
     ]
     check_generator_metrics(run_dir)
@@ -112,7 +113,7 @@ def test_a_killed_generator_is_restarted_and_catches_up(tmp_path, tiny_model_dir
         f"model.path={tiny_model_dir}", f"rl.max_steps={steps}", "eval.every_steps=0",
         "task.train_size=200", "task.rl_split=train", "buffer.prompts_per_batch=2",
         "buffer.samples_per_prompt=4", "buffer.dynamic_sampling=false", "buffer.max_staleness=1",
-        "engine.max_slots=8", "transport.heartbeat_s=0.2",
+        "engine.max_slots=8", "transport.heartbeat_s=0.2", "num_generators=1",
     ]  # fmt: skip
     launcher = subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
