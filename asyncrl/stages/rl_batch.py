@@ -29,11 +29,8 @@ def to_sequences(samples: list[Sample], cfg) -> list[TokenSequence]:
 
     Samples arrive as whole groups (the buffer keeps a group on one rank), in group order.
     """
-    groups: dict[int, list[Sample]] = {}
-    for s in samples:
-        groups.setdefault(s.group_id, []).append(s)
     out = []
-    for members in groups.values():
+    for members in by_group(samples):
         rewards = torch.tensor([[s.reward for s in members]], dtype=torch.float32)
         if cfg.rl.overlong_cache:
             lengths = torch.tensor([sum(s.loss_mask) for s in members])
@@ -54,12 +51,17 @@ def to_sequences(samples: list[Sample], cfg) -> list[TokenSequence]:
     return out
 
 
+def by_group(samples: list[Sample]) -> list[list[Sample]]:
+    """``samples`` by group, groups in order of first appearance: ``to_sequences``' order."""
+    groups: dict[int, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(s.group_id, []).append(s)
+    return list(groups.values())
+
+
 def group_sizes(samples: list[Sample]) -> list[int]:
     """Sizes of the consecutive groups ``to_sequences`` makes of ``samples``, in its order."""
-    sizes: dict[int, int] = {}
-    for s in samples:
-        sizes[s.group_id] = sizes.get(s.group_id, 0) + 1
-    return list(sizes.values())
+    return [len(members) for members in by_group(samples)]
 
 
 def recompute_logprobs(

@@ -249,14 +249,11 @@ def _collate_rows(rows: list[list[_Unit]], pad_id: int, layout: str) -> MicroBat
 def _tree_mask(unit: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
     """``[rows, 1, L, L]`` bool, True where query q may attend to key k: same unit (the
     padding tail is one), k not after q, and k in the shared prefix or q's own branch."""
-    queries, keys = (
-        (unit.unsqueeze(2), branch.unsqueeze(2)),
-        (unit.unsqueeze(1), branch.unsqueeze(1)),
-    )
-    same_unit = queries[0] == keys[0]  # [rows, L, L]
-    length = unit.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
-    visible = (keys[1] == 0) | (keys[1] == queries[1])
+    # [rows, L, 1] against [rows, 1, L]: queries along dim 1, keys along dim 2
+    same_unit = unit.unsqueeze(2) == unit.unsqueeze(1)
+    key_branch = branch.unsqueeze(1)
+    visible = (key_branch == 0) | (key_branch == branch.unsqueeze(2))
+    causal = torch.ones(unit.shape[1], unit.shape[1], dtype=torch.bool).tril()
     return (same_unit & causal & visible).unsqueeze(1)
 
 
