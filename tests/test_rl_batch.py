@@ -15,12 +15,17 @@ from asyncrl.algorithms.losses import PPOLossConfig
 from asyncrl.config import ConfigError
 from asyncrl.models import ModelConfig, load_model
 from asyncrl.stages.rl import RLConfig, RLExperiment
-from asyncrl.stages.rl_batch import penalize_kl_in_rewards, policy_loss, recompute_logprobs
+from asyncrl.stages.rl_batch import (
+    penalize_kl_in_rewards,
+    policy_loss,
+    policy_updates,
+    recompute_logprobs,
+)
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import TrainerCore
 from asyncrl.trainer.packing import TokenSequence, make_micro_batches
 
-from .conftest import full_grads
+from .conftest import full_grads, full_tensor
 
 TEMPERATURE = 0.7
 
@@ -131,6 +136,46 @@ def test_a_shared_prompt_gives_the_flat_layouts_loss_and_gradients(
     saved = sum((n - 1) * seqs[i].loss_mask.index(1) for n, i in zip(sizes, firsts))
     forward = [sum(mb.forward_tokens for mb in layout) for layout in (flat, tree)]
     assert forward[0] == sum(len(s) for s in seqs) and forward[0] - forward[1] == saved
+
+
+def test_several_updates_on_a_batch_keep_the_proximal_policy_of_the_steps_start(
+    dist_info, tiny_model_dir
+):
+    """``rl.update_epochs = 2``: two optimizer updates over the whole batch, the second
+    against the proximal logprobs of the step's start (not its own weights), one step
+    (one version). Keeping the first update's own logprobs gives the weights of a
+    separate no-grad pass before the step, and of two updates by hand."""
+    cfg = RLExperiment(rl=RLConfig(loss=PPOLossConfig(clip_low=0.2, clip_high=0.28)))
+    optim = OptimConfig(lr=3e-2, warmup_steps=0, schedule="cosine", total_steps=4)
+    model_cfg = ModelConfig(path=tiny_model_dir)
+    kept, passed, by_hand = (TrainerCore(model_cfg, TrainerConfig(), optim, dist_info, 0)
+                             for _ in range(3))  # fmt: skip
+    seqs = _batch(kept.model.config.vocab_size)
+    micro = [make_micro_batches(seqs, 128, "packed", 0, 128) for _ in range(3)]
+    assert len(micro[0]) > 1
+    loss_fn = policy_loss(cfg, TEMPERATURE)
+    stats = policy_updates(kept, micro[0], loss_fn, epochs=2)
+    assert all("proximal" in mb.fields for mb in micro[0])
+    assert kept.step == 1 and kept.scheduler.last_epoch == 2 and not stats.skipped
+    recompute_logprobs(passed, micro[1], None, TEMPERATURE, proximal=True)
+    policy_updates(passed, micro[1], loss_fn, epochs=2)
+    recompute_logprobs(by_hand, micro[2], None, TEMPERATURE, proximal=True)
+    first = [by_hand.train_step(micro[2], loss_fn) for _ in range(2)][0]
+    assert stats.loss == pytest.approx(first.loss, rel=1e-6)
+    for name, p in kept.model.named_parameters():
+        for other in (passed, by_hand):
+            q = other.model.get_parameter(name)
+            torch.testing.assert_close(full_tensor(p), full_tensor(q), rtol=1e-5, atol=1e-6)
+    # The first update's weights are the proximal ones; the second's have moved off them,
+    # so its ratio is not 1 (a proximal taken from its own forward would give exactly 0).
+    assert stats.metrics["train/approx_kl_proximal"] == pytest.approx(0.0, abs=1e-6)
+    assert abs(stats.metrics["train/last_update_approx_kl_proximal"]) > 1e-4
+    assert stats.metrics["train/last_update_clip_fraction"] > 0
+    run = RLExperiment(rl=RLConfig(max_steps=30, update_epochs=3))
+    run.finalize()  # the schedule spans every update of the run
+    assert run.optim.total_steps == 90
+    with pytest.raises(ConfigError, match="update_epochs"):
+        RLExperiment(rl=RLConfig(update_epochs=0)).finalize()
 
 
 def test_share_prefix_lays_out_whole_groups_only():

@@ -43,6 +43,7 @@ def add_set_argument(parser) -> None:
     parser.add_argument(
         "--set",
         nargs="*",
+        action="extend",  # --set a=1 --set b=2 keeps both
         default=[],
         metavar="KEY=VALUE",
         help="overrides applied to every run (e.g. a smaller batch)",

@@ -2,16 +2,17 @@
 
 Each rank asks the buffer for its share of step i's batch (whole groups, staleness
 checked), turns group rewards into advantages, recomputes proximal logprobs with the
-weights at the start of the step, takes one decoupled-PPO step on the FSDP2 core, and
-rank 0 publishes the new weights as version i+1 (raw ZeroMQ frames to every generator)
-and announces the version to the buffer (``engine.backend="remote"``: as a versioned HF
-directory the generators' servers load, or over NCCL; ``asyncrl.trainer.publish``). The
-buffer and generator processes are started
-by the launcher from ``rollout()``; ``max_staleness=0`` is the synchronous baseline
-through this same code. ``placement="colocated"`` runs this same step with generation
-inside the trainer process, between steps (``asyncrl.stages.colocated``). With
-``algorithm="ppo"`` a critic on the same ranks (``asyncrl.stages.critic``) turns each
-trajectory's reward into GAE advantages and takes its value step after the publish.
+weights at the start of the step, takes a decoupled-PPO step on the FSDP2 core (one
+optimizer update, or ``rl.update_epochs`` over the same batch), and rank 0 publishes the
+new weights as version i+1 (raw ZeroMQ frames to every generator) and announces the
+version to the buffer (``engine.backend="remote"``: as a versioned HF directory the
+generators' servers load, or over NCCL; ``asyncrl.trainer.publish``). The buffer and
+generator processes are started by the launcher from ``rollout()``; ``max_staleness=0``
+is the synchronous baseline through this same code. ``placement="colocated"`` runs this
+same step with generation inside the trainer process, between steps
+(``asyncrl.stages.colocated``). With ``algorithm="ppo"`` a critic on the same ranks
+(``asyncrl.stages.critic``) turns each trajectory's reward into GAE advantages and takes
+its value step after the publish.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from asyncrl.stages.rl_batch import (
     group_sizes,
     penalize_kl_in_rewards,
     policy_loss,
+    policy_updates,
     recompute_logprobs,
     to_sequences,
 )
@@ -79,9 +81,15 @@ class RLConfig:
     loss: PPOLossConfig = field(default_factory=PPOLossConfig)
     proximal_pass: bool = False
     """Compute the proximal logprobs in a separate no-grad forward before the step. Off,
-    they are the step's own forward's logprobs, detached: each batch gets one optimizer
-    step, so both forwards see the same weights and give the same values (a test checks
-    loss and gradients), and the separate pass only costs a forward over the batch."""
+    they are the step's own forward's logprobs, detached: with one update per batch both
+    forwards see the same weights and give the same values (a test checks loss and
+    gradients), and the separate pass only costs a forward over the batch. With
+    ``update_epochs > 1`` the first update's are kept for the later ones."""
+    update_epochs: int = 1
+    """Optimizer updates per batch, each over the whole batch (PPO's epochs, GRPO's μ),
+    all against the proximal policy of the step's start; the version still advances once
+    per batch. The learning-rate schedule counts updates (``optim.total_steps`` defaults
+    to ``max_steps × update_epochs``)."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The value model, GAE and the value loss; used when ``algorithm`` is ``ppo``."""
 
@@ -129,8 +137,10 @@ class RLExperiment:
         """Derived values, computed here and nowhere else."""
         if not self.run_dir:
             self.run_dir = f"runs/{self.name}-{datetime.now():%Y%m%d-%H%M%S}"
+        if self.rl.update_epochs < 1:
+            raise ConfigError(f"rl.update_epochs must be at least 1, got {self.rl.update_epochs}")
         if self.optim.total_steps <= 0:
-            self.optim.total_steps = self.rl.max_steps
+            self.optim.total_steps = self.rl.max_steps * self.rl.update_epochs
         if not self.rl.export_dir:
             self.rl.export_dir = str(Path(self.run_dir) / "hf")
         try:
@@ -245,6 +255,7 @@ def run(cfg: RLExperiment, info: DistInfo) -> dict:
                                    group_sizes(batch.samples), cfg.trainer.share_prefix)  # fmt: skip
         # 2. proximal logprobs: the weights at the start of this step, no grad (by default
         #    taken detached from the step's own forward, which has those weights)
+        epochs = cfg.rl.update_epochs
         recompute_logprobs(core, micro, reference, temperature, cfg.rl.proximal_pass)
         # 3. PPO with a critic: values before any update, then GAE advantages (of the
         #    rewards less the KL penalty, when it goes in the reward)
@@ -253,13 +264,12 @@ def run(cfg: RLExperiment, info: DistInfo) -> dict:
             if cfg.rl.loss.kl_in_reward and reference is not None:
                 penalize_kl_in_rewards(micro, cfg.rl.loss)
             critic_scalars = critic.advantages(critic.values(micro))
-        # 4. one decoupled-PPO step (a non-finite one changes nothing, yet takes the
-        #    batch's version, so step, batch and version stay one to one)
+        # 4. the decoupled-PPO update(s) (a non-finite one changes nothing, yet the batch
+        #    takes its version, so step, batch and version stay one to one)
         if critic is not None and core.step < cfg.rl.critic.warmup_steps:
             stats = critic_warmup_step(core, micro)  # the policy keeps its weights
         else:
-            stats = core.train_step(micro, loss_fn)
-            core.step += stats.skipped
+            stats = policy_updates(core, micro, loss_fn, epochs)
         # 5. publish version v+1 to the generators and announce it to the buffer
         state = core.full_state_dict()
         sync_s = publisher.publish(core.step, state) if publisher is not None else 0.0

@@ -6,6 +6,7 @@ decoupled-PPO loss over a micro-batch."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -17,7 +18,7 @@ from asyncrl.algorithms.advantages import (
 )
 from asyncrl.algorithms.losses import PPOLossConfig, kl_estimate, ppo_loss, token_entropy
 from asyncrl.stages.critic import reward_on_last_token
-from asyncrl.trainer.core import TrainerCore
+from asyncrl.trainer.core import StepStats, TrainerCore
 from asyncrl.trainer.logprobs import token_logprobs
 from asyncrl.trainer.packing import MicroBatch, TokenSequence
 from asyncrl.wire import Sample
@@ -106,8 +107,10 @@ def policy_loss(cfg, temperature: float) -> Callable:
     """The trainer core's ``loss_fn`` for the policy: decoupled PPO on a micro-batch.
 
     Without a stored ``proximal`` field the proximal logprobs are this forward's own,
-    detached: a batch gets one optimizer step, so the weights of the step's forward are
-    the weights at the start of the step, the proximal policy's (``RLConfig.proximal_pass``).
+    detached: with one update per batch, the weights of the step's forward are the
+    weights at the start of the step, the proximal policy's (``RLConfig.proximal_pass``).
+    They are left in the micro-batch's fields, where ``policy_updates`` picks them up for
+    its later updates.
     """
 
     def loss_fn(logits: torch.Tensor, mb: MicroBatch):
@@ -115,9 +118,51 @@ def policy_loss(cfg, temperature: float) -> Callable:
         if "behavior" not in f:  # padding micro-batch of a rank that got no samples
             return logits.sum() * 0.0, {}
         logp = token_logprobs(logits, mb.input_ids, temperature)
-        proximal = f["proximal"] if "proximal" in f else logp.detach()
+        if "proximal" not in f:  # this forward's own
+            f["proximal"] = logp.detach()
+        proximal = f["proximal"]
         entropy = token_entropy(logits, temperature) if cfg.rl.loss.entropy_coef else None
         return ppo_loss(logp, proximal, f["behavior"], f["advantages"], mb.loss_mask, cfg.rl.loss,
                         ref_logprobs=f.get("reference"), entropy=entropy)  # fmt: skip
 
     return loss_fn
+
+
+def policy_updates(core: TrainerCore, micro: list[MicroBatch], loss_fn: Callable,
+                   epochs: int) -> StepStats:  # fmt: skip
+    """``epochs`` optimizer updates of the policy, each over the whole batch (PPO's
+    epochs, GRPO's μ); the step, which is the version, advances once, also when an update
+    was non-finite and skipped (a batch, a step and a version stay one to one).
+
+    Every update is against the proximal policy of the step's start. Without stored
+    ``proximal`` logprobs the first update's forward, detached, gives them (its weights
+    are the starting ones) and they are kept in ``micro`` for the later updates: the
+    same as a separate no-grad pass, a forward cheaper (a test checks both).
+    Returns the first update's loss, gradient norm and metrics (the quantities of a
+    single update); with more, the last update's clip fraction and proximal KL as
+    ``train/last_update_*`` (how far the later updates moved); the time of all.
+    """
+    step, kept = core.step, []
+
+    def keep_proximal(logits: torch.Tensor, mb: MicroBatch):
+        out = loss_fn(logits, mb)  # sets mb.fields["proximal"] on a real micro-batch
+        if "proximal" in mb.fields:
+            kept.append(mb.fields["proximal"].cpu())
+        return out
+
+    stats = [core.train_step(micro, keep_proximal if epochs > 1 else loss_fn)]
+    if epochs > 1:  # the core calls the loss once per micro-batch, in order
+        assert len(kept) == len(micro), "a micro-batch without its proximal logprobs"
+        for mb, proximal in zip(micro, kept):
+            mb.fields["proximal"] = proximal
+    stats += [core.train_step(micro, loss_fn) for _ in range(epochs - 1)]
+    core.step = step + 1
+    first, last = stats[0], stats[-1]
+    metrics = dict(first.metrics)
+    if epochs > 1:
+        for key in ("clip_fraction", "approx_kl_proximal"):
+            if f"train/{key}" in last.metrics:
+                metrics[f"train/last_update_{key}"] = last.metrics[f"train/{key}"]
+    seconds = sum(s.seconds for s in stats)
+    skipped = all(s.skipped for s in stats)
+    return replace(first, seconds=seconds, skipped=skipped, metrics=metrics)

@@ -35,6 +35,8 @@ LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torc
 
 ``loss_sum`` is the *sum* of per-token (or per-sequence) losses in this micro-batch; the
 core divides by the global normalizer. Metric values are sums too, reduced the same way.
+The core calls it once per micro-batch, in the order given, then on any empty ones that
+even out the count over ranks.
 """
 
 
