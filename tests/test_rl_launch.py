@@ -34,7 +34,7 @@ def test_launcher_runs_tiny_grpo(tmp_path, tiny_model_dir, max_staleness):
         f"model.path={tiny_model_dir}", "rl.max_steps=4", "eval.every_steps=2", "eval.num_examples=8",
         "task.train_size=200", "buffer.prompts_per_batch=2", "buffer.samples_per_prompt=4",
         "buffer.dynamic_sampling=false", f"buffer.max_staleness={max_staleness}", "engine.max_slots=8",
-        "transport.heartbeat_s=0.2",
+        "transport.heartbeat_s=0.2", "num_generators=2",
     ] + extra  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -59,7 +59,7 @@ def test_launcher_runs_tiny_grpo(tmp_path, tiny_model_dir, max_staleness):
     assert sorted(p.name for p in (run_dir / "logs").iterdir()) == [
         "buffer.log",
         "generator_0.log",
-        "generator_1.log",  # tiny_grpo runs two generator processes
+        "generator_1.log",  # two generator processes, both logged
         "trainer_0.log",
     ]
     check_generator_metrics(run_dir)
