@@ -64,4 +64,5 @@ class TrainerConfig:
     resume: bool = True
     """Resume from the newest checkpoint in the run directory when there is one."""
     max_nonfinite_steps: int = 5
-    """Stop the run after this many consecutive steps with a NaN/inf loss or gradient."""
+    """Stop the run after this many consecutive optimizer updates with a NaN/inf loss or
+    gradient (with ``rl.update_epochs`` = N, a batch takes N updates)."""
