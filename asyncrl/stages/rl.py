@@ -255,7 +255,6 @@ def run(cfg: RLExperiment, info: DistInfo) -> dict:
                                    group_sizes(batch.samples), cfg.trainer.share_prefix)  # fmt: skip
         # 2. proximal logprobs: the weights at the start of this step, no grad (by default
         #    taken detached from the step's own forward, which has those weights)
-        epochs = cfg.rl.update_epochs
         recompute_logprobs(core, micro, reference, temperature, cfg.rl.proximal_pass)
         # 3. PPO with a critic: values before any update, then GAE advantages (of the
         #    rewards less the KL penalty, when it goes in the reward)
@@ -269,7 +268,7 @@ def run(cfg: RLExperiment, info: DistInfo) -> dict:
         if critic is not None and core.step < cfg.rl.critic.warmup_steps:
             stats = critic_warmup_step(core, micro)  # the policy keeps its weights
         else:
-            stats = policy_updates(core, micro, loss_fn, epochs)
+            stats = policy_updates(core, micro, loss_fn, cfg.rl.update_epochs)
         # 5. publish version v+1 to the generators and announce it to the buffer
         state = core.full_state_dict()
         sync_s = publisher.publish(core.step, state) if publisher is not None else 0.0
