@@ -46,8 +46,12 @@ def make_eval_engine(
 ) -> EmbeddedEngine:
     """An engine sized for evaluation: ``batch_size`` slots, each as long as the longest
     prompt plus the generation budget, so no completion is cut short by the cache."""
-    engine_cfg = EngineConfig(max_slots=cfg.batch_size, max_seq_len=longest_prompt + cfg.max_new_tokens,
-                              device="cuda" if device.type == "cuda" else "cpu", dtype=model.dtype)  # fmt: skip
+    engine_cfg = EngineConfig(
+        max_slots=cfg.batch_size,
+        max_seq_len=longest_prompt + cfg.max_new_tokens,
+        device="cuda" if device.type == "cuda" else "cpu",
+        dtype=model.dtype,
+    )
     return EmbeddedEngine(model.path, engine_cfg)
 
 

@@ -190,6 +190,10 @@ def forward_padded(
         attention_mask[i, : len(ids)] = 1
     position_ids = torch.arange(longest).expand(rows, longest)
     input_ids = input_ids.to(device)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask.to(device),
-                   position_ids=position_ids.to(device), use_cache=False).logits  # fmt: skip
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask.to(device),
+        position_ids=position_ids.to(device),
+        use_cache=False,
+    ).logits
     return logits, input_ids

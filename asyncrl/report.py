@@ -64,13 +64,17 @@ def generator_figures(records: list[dict], run_dir: Path) -> dict[str, dict[str,
     for worker, g in sorted(out.items()):
         summary = _read_json(run_dir / f"generator_{worker}_summary.json")
         figures[worker] = {
-            "tokens": g["tokens"], "seconds": g["s"], "idle_s": g["idle"],
-            "tokens_per_s": _ratio(g["tokens"], g["s"]), "idle_fraction": _ratio(g["idle"], g["s"]),
+            "tokens": g["tokens"],
+            "seconds": g["s"],
+            "idle_s": g["idle"],
+            "tokens_per_s": _ratio(g["tokens"], g["s"]),
+            "idle_fraction": _ratio(g["idle"], g["s"]),
             "step_ms_p99_update": summary.get("update_step_ms_p99"),
             "step_ms_p99_steady": summary.get("steady_step_ms_p99"),
-            "update_steps": summary.get("update_steps"), "steps": summary.get("steps"),
+            "update_steps": summary.get("update_steps"),
+            "steps": summary.get("steps"),
             "weight_flip_s_mean": summary.get("weight_flip_s"),
-        }  # fmt: skip
+        }
     return figures
 
 
@@ -92,17 +96,24 @@ def report(run_dir: str | Path, minutes: list[float]) -> dict[str, Any]:
         values = [g[key] for g in gens.values() if g[key] is not None]
         return max(values) if values else None
 
-    staleness = {k.removeprefix("buffer/staleness_"): int(v) for k, v in counters.items()
-                 if k.startswith("buffer/staleness_")}  # fmt: skip
+    staleness = {
+        k.removeprefix("buffer/staleness_"): int(v)
+        for k, v in counters.items()
+        if k.startswith("buffer/staleness_")
+    }
     figures = {
         "steps": summary.get("steps", max((r["step"] for r in steps), default=0)),
         "wall_time_s": summary.get("wall_time_s"),
         "train_time_s": train_time,
         "trained_tokens_per_s": _ratio(sum(trained), train_time) if trained else None,
         "train_step_tokens_per_s": _ratio(sum(r["train/tokens_per_s"] for r in steps), len(steps)),
-        "generated_tokens_per_s": sum(g["tokens_per_s"] or 0.0 for g in gens.values()) if gens else None,
+        "generated_tokens_per_s": sum(g["tokens_per_s"] or 0.0 for g in gens.values())
+        if gens
+        else None,
         "generator_idle_fraction": _ratio(gen_idle_s, gen_s),
-        "trainer_idle_fraction": _ratio(sum(r.get("train/wait_for_batch_s", 0.0) for r in steps), train_time),
+        "trainer_idle_fraction": _ratio(
+            sum(r.get("train/wait_for_batch_s", 0.0) for r in steps), train_time
+        ),
         "step_ms_p99_update": worst("step_ms_p99_update"),
         "step_ms_p99_steady": worst("step_ms_p99_steady"),
         "staleness_histogram": dict(sorted(staleness.items(), key=lambda kv: int(kv[0]))),
@@ -111,7 +122,7 @@ def report(run_dir: str | Path, minutes: list[float]) -> dict[str, Any]:
         ),
         "final_eval_accuracy": summary.get("final_eval_accuracy"),
         "generators": gens,
-    }  # fmt: skip
+    }
     return _rounded(figures)
 
 

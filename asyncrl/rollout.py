@@ -27,8 +27,12 @@ class SamplingConfig:
     """Top-k truncation (0: off)."""
 
     def spec(self) -> SamplingSpec:
-        return SamplingSpec(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                            top_p=self.top_p, top_k=self.top_k)  # fmt: skip
+        return SamplingSpec(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+        )
 
 
 @dataclass

@@ -69,7 +69,7 @@ config = RLExperiment(
         max_steps=2000,
         update_epochs=2,
         loss=PPOLossConfig(clip_low=0.2, clip_high=0.28, positive_nll_coef=2.0),
-    ),  # fmt: skip
+    ),
     buffer=BufferConfig(
         prompts_per_batch=64, samples_per_prompt=4, max_staleness=2, dynamic_sampling=True
     ),

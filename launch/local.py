@@ -52,10 +52,19 @@ def local_processes(stage: Prepared) -> list[Supervised]:
         if spec.rank is not None:
             env.update(RANK=str(spec.rank), WORLD_SIZE=str(world), LOCAL_RANK=str(spec.rank))
             env.pop("MASTER_ADDR", None)  # local ranks meet through the rendezvous file
-        procs.append(Supervised(spec.name, [sys.executable, "-m", spec.module, *spec.args],
-                                stage.run_dir / "logs" / f"{spec.name}.log", env=env,
-                                restartable=spec.restartable, final=spec.rank is not None,
-                                echo=spec.rank == 0, group=spec.group, max_restarts=spec.max_restarts))  # fmt: skip
+        procs.append(
+            Supervised(
+                spec.name,
+                [sys.executable, "-m", spec.module, *spec.args],
+                stage.run_dir / "logs" / f"{spec.name}.log",
+                env=env,
+                restartable=spec.restartable,
+                final=spec.rank is not None,
+                echo=spec.rank == 0,
+                group=spec.group,
+                max_restarts=spec.max_restarts,
+            )
+        )
     return procs
 
 

@@ -48,18 +48,34 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, SlurmOptions
     parser.add_argument(
         "--train-nodes", type=int, required=True, help="nodes for the trainer ranks"
     )
-    parser.add_argument("--nodes", type=int, default=0,
-                        help="nodes to allocate (default: gen + train; fewer makes the groups share)")  # fmt: skip
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=0,
+        help="nodes to allocate (default: gen + train; fewer makes the groups share)",
+    )
     parser.add_argument("--partition", default="")
     parser.add_argument("--time", default="", help="time limit, as sbatch --time takes it")
     parser.add_argument("--account", default="")
     parser.add_argument("--gpus-per-node", type=int, default=0)
-    parser.add_argument("--cpus-per-task", type=int, default=0,
-                        help="CPUs the job holds per node (one task per node); default: whole nodes")  # fmt: skip
+    parser.add_argument(
+        "--cpus-per-task",
+        type=int,
+        default=0,
+        help="CPUs the job holds per node (one task per node); default: whole nodes",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the script; submit nothing")
     args = parser.parse_intermixed_args(argv)
-    opts = SlurmOptions(args.gen_nodes, args.train_nodes, args.nodes, args.partition, args.time,
-                        args.account, args.gpus_per_node, args.cpus_per_task)  # fmt: skip
+    opts = SlurmOptions(
+        args.gen_nodes,
+        args.train_nodes,
+        args.nodes,
+        args.partition,
+        args.time,
+        args.account,
+        args.gpus_per_node,
+        args.cpus_per_task,
+    )
     return args, opts
 
 
@@ -80,8 +96,16 @@ def init_options(cfg, opts: SlurmOptions) -> SlurmOptions:
     split them evenly."""
     ranks, most = cfg.trainer.num_ranks, min(opts.train_nodes, opts.total_nodes)
     nodes = max(n for n in range(1, most + 1) if ranks % n == 0)
-    return SlurmOptions(0, nodes, nodes, opts.partition, opts.time, opts.account,
-                        opts.gpus_per_node, opts.cpus_per_task)  # fmt: skip
+    return SlurmOptions(
+        0,
+        nodes,
+        nodes,
+        opts.partition,
+        opts.time,
+        opts.account,
+        opts.gpus_per_node,
+        opts.cpus_per_task,
+    )
 
 
 def submit(script: Path, after: str | None) -> str:

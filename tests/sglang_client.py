@@ -35,10 +35,33 @@ def free_port() -> int:
 def server_command(kind: str, model_dir: str, port: int) -> list[str]:
     common = ["--host", "127.0.0.1", "--port", str(port)]
     if kind == "embedded":
-        return [sys.executable, "-m", "asyncrl.engine.serve", "--model", model_dir, *common,
-                "--max-slots", "32", "--max-seq-len", "128", "--threads", "1"]  # fmt: skip
-    return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir, *common,
-            "--mem-fraction-static", "0.2", "--disable-cuda-graph", "--context-length", "128"]  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "asyncrl.engine.serve",
+            "--model",
+            model_dir,
+            *common,
+            "--max-slots",
+            "32",
+            "--max-seq-len",
+            "128",
+            "--threads",
+            "1",
+        ]
+    return [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model_dir,
+        *common,
+        "--mem-fraction-static",
+        "0.2",
+        "--disable-cuda-graph",
+        "--context-length",
+        "128",
+    ]
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, timeout: float) -> None:

@@ -103,11 +103,19 @@ class Simulation:
             seq, n = self.held[g][lease_id], self.rng.randint(1, 3)
             finish = self.rng.random() < 0.3
             reason = ("error" if self.rng.random() < 0.02 else "eos") if finish else None
-            self.network.append(Chunk(
-                run_id="run", worker_id=g, lease_id=lease_id, seq=seq,
-                token_ids=[self.rng.randrange(3, 20) for _ in range(n)], logprobs=[-1.0] * n,
-                versions=[self.gen_version[g]] * n, finished=finish, finish_reason=reason,
-            ))  # fmt: skip
+            self.network.append(
+                Chunk(
+                    run_id="run",
+                    worker_id=g,
+                    lease_id=lease_id,
+                    seq=seq,
+                    token_ids=[self.rng.randrange(3, 20) for _ in range(n)],
+                    logprobs=[-1.0] * n,
+                    versions=[self.gen_version[g]] * n,
+                    finished=finish,
+                    finish_reason=reason,
+                )
+            )
             self.held[g][lease_id] = seq + 1
             if finish:
                 del self.held[g][lease_id]
@@ -206,8 +214,12 @@ class Simulation:
 
 
 @settings(max_examples=60, deadline=None)
-@given(eta=st.sampled_from([0, 1, 3, None]), dynamic=st.booleans(), seed=st.integers(0, 2**32),
-       skip=st.sampled_from([0.0, 0.7]))  # fmt: skip
+@given(
+    eta=st.sampled_from([0, 1, 3, None]),
+    dynamic=st.booleans(),
+    seed=st.integers(0, 2**32),
+    skip=st.sampled_from([0.0, 0.7]),
+)
 def test_buffer_invariants_under_random_schedules(eta, dynamic, seed, skip):
     sim = Simulation(eta, dynamic, seed, skip)
     sim.run(600)
@@ -238,9 +250,20 @@ def _lease_six_rounds(**cfg_fields) -> tuple[RolloutBuffer, list[int]]:
     for round_ in range(6):
         for lease in buffer.lease("g", 2, float(round_)):
             leased.append(lease.prompt_id)
-            buffer.on_chunk(Chunk(run_id="run", worker_id="g", lease_id=lease.lease_id, seq=0,
-                                  token_ids=[lease.sample_index + 1], logprobs=[0.0], versions=[0],
-                                  finished=True, finish_reason="stop"), float(round_))  # fmt: skip
+            buffer.on_chunk(
+                Chunk(
+                    run_id="run",
+                    worker_id="g",
+                    lease_id=lease.lease_id,
+                    seq=0,
+                    token_ids=[lease.sample_index + 1],
+                    logprobs=[0.0],
+                    versions=[0],
+                    finished=True,
+                    finish_reason="stop",
+                ),
+                float(round_),
+            )
     buffer.check_accounting()
     return buffer, leased
 

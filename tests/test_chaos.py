@@ -19,17 +19,50 @@ def test_a_chaos_run_loses_nothing_and_counts_nothing_twice(tmp_path, tiny_model
     steps it redid, would fail the accounting or lineage."""
     run_dir = tmp_path / "chaos"
     overrides = [
-        f"model.path={tiny_model_dir}", "task.train_size=200", "task.rl_split=train",
-        "buffer.prompts_per_batch=2", "buffer.samples_per_prompt=4", "buffer.dynamic_sampling=false",
-        "buffer.heartbeat_timeout_s=2", "buffer.checkpoint_s=5", "engine.max_slots=8",
-        "transport.heartbeat_s=0.2", "eval.every_steps=0", "rl.max_steps=100000", "num_generators=1",
-    ]  # fmt: skip
+        f"model.path={tiny_model_dir}",
+        "task.train_size=200",
+        "task.rl_split=train",
+        "buffer.prompts_per_batch=2",
+        "buffer.samples_per_prompt=4",
+        "buffer.dynamic_sampling=false",
+        "buffer.heartbeat_timeout_s=2",
+        "buffer.checkpoint_s=5",
+        "engine.max_slots=8",
+        "transport.heartbeat_s=0.2",
+        "eval.every_steps=0",
+        "rl.max_steps=100000",
+        "num_generators=1",
+    ]
     cmd = [
-        sys.executable, "tools/chaos.py", "--experiment", "experiments/tiny_grpo.py",
-        "--minutes", "0.75", "--calm-s", "18", "--generator-kills", "3", "--trainer-kills", "1", "--buffer-kills", "1",
-        "--generator-gap", "6", "--other-gap", "10", "--checkpoint-every", "3", "--target", "0",
-        "--seed", "1", "--out", str(run_dir), "--set", *overrides,
-    ]  # fmt: skip
+        sys.executable,
+        "tools/chaos.py",
+        "--experiment",
+        "experiments/tiny_grpo.py",
+        "--minutes",
+        "0.75",
+        "--calm-s",
+        "18",
+        "--generator-kills",
+        "3",
+        "--trainer-kills",
+        "1",
+        "--buffer-kills",
+        "1",
+        "--generator-gap",
+        "6",
+        "--other-gap",
+        "10",
+        "--checkpoint-every",
+        "3",
+        "--target",
+        "0",
+        "--seed",
+        "1",
+        "--out",
+        str(run_dir),
+        "--set",
+        *overrides,
+    ]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
     log = (run_dir / "launch.log").read_text() if (run_dir / "launch.log").exists() else ""
     assert done.stdout.strip(), done.stderr[-3000:] + log[-3000:]

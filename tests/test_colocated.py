@@ -42,16 +42,19 @@ PROMPTS, GROUP = 3, 4
 
 def _experiment(model_dir: str, run_dir: Path) -> RLExperiment:
     cfg = RLExperiment(
-        run_dir=str(run_dir), placement="colocated", model=ModelConfig(path=model_dir),
+        run_dir=str(run_dir),
+        placement="colocated",
+        model=ModelConfig(path=model_dir),
         task=TaskConfig(train_size=200, eval_size=8),
         # η = 2 would let prompts of later steps start on old weights; colocated forces 0.
         buffer=BufferConfig(prompts_per_batch=PROMPTS, samples_per_prompt=GROUP, max_staleness=2),
-        sampling=SamplingConfig(max_new_tokens=6, temperature=0.8), reward=RewardConfig(workers=0),
+        sampling=SamplingConfig(max_new_tokens=6, temperature=0.8),
+        reward=RewardConfig(workers=0),
         # Fewer slots than a batch's samples: groups go through the engine in several waves.
         engine=EngineConfig(max_slots=5, max_seq_len=64, threads=1),
         optim=OptimConfig(lr=1e-2, warmup_steps=0, schedule="constant"),
         metrics=MetricsConfig(tensorboard=False, progress_bar=False),
-    )  # fmt: skip
+    )
     cfg.finalize()
     return cfg
 
@@ -59,8 +62,10 @@ def _experiment(model_dir: str, run_dir: Path) -> RLExperiment:
 def _recompute(core: TrainerCore, micro, temperature: float) -> list[torch.Tensor]:
     """The trainer's proximal logprobs of every loss token, per micro-batch."""
     with torch.no_grad():
-        return [token_logprobs(core.forward(mb), mb.input_ids, temperature)[mb.loss_mask.bool()]
-                for mb in micro]  # fmt: skip
+        return [
+            token_logprobs(core.forward(mb), mb.input_ids, temperature)[mb.loss_mask.bool()]
+            for mb in micro
+        ]
 
 
 def _likelihood_loss(logits, mb):
@@ -87,8 +92,13 @@ def test_colocated_rollout_is_on_policy_with_the_trainers_logprobs(
             for s in batch.samples:
                 generated = [v for v, m in zip(s.versions, s.loss_mask) if m]
                 assert generated and set(generated) == {step}  # staleness 0
-            micro = make_micro_batches(to_sequences(batch.samples, cfg), cfg.trainer.micro_batch_tokens,
-                                       cfg.trainer.packing, pad, cfg.trainer.row_tokens)  # fmt: skip
+            micro = make_micro_batches(
+                to_sequences(batch.samples, cfg),
+                cfg.trainer.micro_batch_tokens,
+                cfg.trainer.packing,
+                pad,
+                cfg.trainer.row_tokens,
+            )
             behavior = [mb.fields["behavior"][mb.loss_mask.bool()] for mb in micro]
             before = _recompute(core, micro, cfg.sampling.temperature)
             for b, p in zip(behavior, before):
@@ -126,8 +136,9 @@ def test_a_resumed_buffer_admits_only_the_current_steps_prompts():
 
 
 def test_colocated_rejects_several_ranks(tiny_model_dir, tmp_path):
-    cfg = RLExperiment(run_dir=str(tmp_path), placement="colocated",
-                       trainer=TrainerConfig(num_ranks=2))  # fmt: skip
+    cfg = RLExperiment(
+        run_dir=str(tmp_path), placement="colocated", trainer=TrainerConfig(num_ranks=2)
+    )
     with pytest.raises(ConfigError, match="num_ranks"):
         cfg.finalize()
 
@@ -135,11 +146,21 @@ def test_colocated_rejects_several_ranks(tiny_model_dir, tmp_path):
 def test_launcher_runs_tiny_grpo_colocated(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
     cmd = [
-        sys.executable, "launch/local.py", "experiments/tiny_grpo.py", "placement=colocated",
-        f"run_dir={run_dir}", f"model.path={tiny_model_dir}", "rl.max_steps=3", "eval.every_steps=0",
-        "task.train_size=200", "buffer.prompts_per_batch=2", "buffer.samples_per_prompt=4",
-        "buffer.dynamic_sampling=false", "engine.max_slots=8", "metrics.tensorboard=false",
-    ]  # fmt: skip
+        sys.executable,
+        "launch/local.py",
+        "experiments/tiny_grpo.py",
+        "placement=colocated",
+        f"run_dir={run_dir}",
+        f"model.path={tiny_model_dir}",
+        "rl.max_steps=3",
+        "eval.every_steps=0",
+        "task.train_size=200",
+        "buffer.prompts_per_batch=2",
+        "buffer.samples_per_prompt=4",
+        "buffer.dynamic_sampling=false",
+        "engine.max_slots=8",
+        "metrics.tensorboard=false",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3

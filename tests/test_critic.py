@@ -192,8 +192,16 @@ def test_whitening_uses_statistics_of_the_global_batch(dist_info, critic_dir, tm
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", OMP_NUM_THREADS="1")
         env.pop("MASTER_ADDR", None)
         args = [str(tmp_path / f"rank{rank}.pt"), str(tmp_path / "rdv"), critic_dir]
-        procs.append(subprocess.Popen([sys.executable, __file__, *args], env=env, cwd=ROOT,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, *args],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     for proc in procs:
         output, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, output[-3000:]
@@ -269,15 +277,27 @@ def test_critic_learns_whitens_checkpoints_and_exports(dist_info, tiny_model_dir
 def test_launcher_runs_tiny_ppo(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
     cmd = [
-        sys.executable, "launch/local.py", "experiments/tiny_ppo.py", f"run_dir={run_dir}",
-        f"model.path={tiny_model_dir}", "rl.max_steps=3", "eval.every_steps=0", "eval.num_examples=0",
-        "task.train_size=200", "buffer.prompts_per_batch=4", "buffer.samples_per_prompt=2",
-        "engine.max_slots=8", "transport.heartbeat_s=0.2", "optim.warmup_steps=0",
-        "rl.critic.optim.warmup_steps=0", "rl.critic.warmup_steps=1",
-        "rl.loss.kl_coef=0.1", "rl.loss.kl_in_reward=true",
+        sys.executable,
+        "launch/local.py",
+        "experiments/tiny_ppo.py",
+        f"run_dir={run_dir}",
+        f"model.path={tiny_model_dir}",
+        "rl.max_steps=3",
+        "eval.every_steps=0",
+        "eval.num_examples=0",
+        "task.train_size=200",
+        "buffer.prompts_per_batch=4",
+        "buffer.samples_per_prompt=2",
+        "engine.max_slots=8",
+        "transport.heartbeat_s=0.2",
+        "optim.warmup_steps=0",
+        "rl.critic.optim.warmup_steps=0",
+        "rl.critic.warmup_steps=1",
+        "rl.loss.kl_coef=0.1",
+        "rl.loss.kl_in_reward=true",
         # The random model never answers right; the overlong penalty gives the critic a target.
         "rl.overlong_cache=4",
-    ]  # fmt: skip
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3

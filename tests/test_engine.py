@@ -348,13 +348,18 @@ def test_shared_prefill_equals_prefilling_each(tiny_model_dir):
     assert set(shared) == set(each) == {r.request_id for r in requests}
     for rid in each:
         assert [t.token_id for t in shared[rid]] == [t.token_id for t in each[rid]], rid
-        assert torch.allclose(torch.tensor([t.logprob for t in shared[rid]]),
-                              torch.tensor([t.logprob for t in each[rid]]), atol=1e-5), rid  # fmt: skip
+        assert torch.allclose(
+            torch.tensor([t.logprob for t in shared[rid]]),
+            torch.tensor([t.logprob for t in each[rid]]),
+            atol=1e-5,
+        ), rid
         assert shared_done[rid].num_tokens == each_done[rid].num_tokens
     assert (
         stats["engine/shared_prefill_tokens"] > 0
         and each_stats["engine/shared_prefill_tokens"] == 0
     )
     # Every prompt token is either prefilled or copied, never both.
-    assert (stats["engine/prefill_tokens"] + stats["engine/shared_prefill_tokens"]
-            == each_stats["engine/prefill_tokens"])  # fmt: skip
+    assert (
+        stats["engine/prefill_tokens"] + stats["engine/shared_prefill_tokens"]
+        == each_stats["engine/prefill_tokens"]
+    )

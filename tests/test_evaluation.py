@@ -17,8 +17,9 @@ from asyncrl.models import ModelConfig, load_model, load_tokenizer
 
 
 @torch.no_grad()
-def hf_greedy_completions(model, tokenizer, prompts: list[list[int]], max_new_tokens: int,
-                          batch_size: int) -> list[list[int]]:  # fmt: skip
+def hf_greedy_completions(
+    model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int
+) -> list[list[int]]:
     """Left-padded static batches through ``generate``, cut at the first EOS."""
     out_all = []
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -27,8 +28,14 @@ def hf_greedy_completions(model, tokenizer, prompts: list[list[int]], max_new_to
         width = max(len(p) for p in batch)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                             max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos)  # fmt: skip
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=pad,
+            eos_token_id=eos,
+        )
         for row in out[:, width:].tolist():
             out_all.append(row[: row.index(eos)] if eos in row else row)
     return out_all
@@ -39,8 +46,9 @@ def test_engine_greedy_accuracy_equals_hf_generate(tiny_model_dir, task):
     tokenizer = load_tokenizer(tiny_model_dir)
     prompts = tokenize_prompts(tokenizer, examples)
     cfg = EvalConfig(max_new_tokens=12, batch_size=16)  # 40 prompts through 16 slots
-    engine = make_eval_engine(ModelConfig(path=tiny_model_dir), cfg, max(map(len, prompts)),
-                              torch.device("cpu"))  # fmt: skip
+    engine = make_eval_engine(
+        ModelConfig(path=tiny_model_dir), cfg, max(map(len, prompts)), torch.device("cpu")
+    )
     # Weights other than the engine's starting ones, so the evaluation must load them.
     torch.manual_seed(3)
     hf = load_model(ModelConfig(path=tiny_model_dir)).eval()

@@ -72,14 +72,21 @@ def test_a_killed_generators_partial_sample_is_continued_not_restarted(tmp_path,
     The sample keeps its first tokens with their versions and logprobs, and the rest is
     the model's greedy continuation of prompt + prefix, with matching logprobs."""
     cfg = RolloutConfig(
-        run_dir=str(tmp_path), run_id="f", model=ModelConfig(path=tiny_model_dir),
+        run_dir=str(tmp_path),
+        run_id="f",
+        model=ModelConfig(path=tiny_model_dir),
         task=TaskConfig(train_size=50, eval_size=10),
-        buffer=BufferConfig(prompts_per_batch=1, samples_per_prompt=1, max_staleness=0,
-                            heartbeat_timeout_s=1.0, lease_timeout_s=120.0),
+        buffer=BufferConfig(
+            prompts_per_batch=1,
+            samples_per_prompt=1,
+            max_staleness=0,
+            heartbeat_timeout_s=1.0,
+            lease_timeout_s=120.0,
+        ),
         sampling=SamplingConfig(max_new_tokens=20, temperature=0.0),
         transport=TransportConfig(chunk_tokens=4, chunk_ms=20.0, heartbeat_s=0.2),
         engine=EngineConfig(max_slots=2, max_seq_len=128, threads=1),
-    )  # fmt: skip
+    )
     config_path = tmp_path / "rollout.json"
     save_json(cfg, config_path)
     prompts = TaskPrompts(build_task(cfg.task), tiny_model_dir, cfg.seed)
@@ -89,15 +96,35 @@ def test_a_killed_generators_partial_sample_is_continued_not_restarted(tmp_path,
     serving.start()
     procs = []
     try:
-        dying = subprocess.Popen([sys.executable, "-c", DYING_GENERATOR, str(tmp_path), repr(PREFIX),
-                                  str(PREFIX_VERSION), str(PREFIX_LOGPROB)], env=_env())  # fmt: skip
+        dying = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                DYING_GENERATOR,
+                str(tmp_path),
+                repr(PREFIX),
+                str(PREFIX_VERSION),
+                str(PREFIX_LOGPROB),
+            ],
+            env=_env(),
+        )
         procs.append(dying)
         slot = lambda: next(iter(buffer.groups.values())).slots[0] if buffer.groups else None  # noqa: E731
         _wait(lambda: slot() is not None and len(slot().token_ids) == len(PREFIX), 60, "the prefix")
         dying.send_signal(signal.SIGKILL)
         dying.wait()
-        worker = subprocess.Popen([sys.executable, "-m", "asyncrl.generator.worker", "--config",
-                                   str(config_path), "--worker-id", "g1"], env=_env())  # fmt: skip
+        worker = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "asyncrl.generator.worker",
+                "--config",
+                str(config_path),
+                "--worker-id",
+                "g1",
+            ],
+            env=_env(),
+        )
         procs.append(worker)
         # Scored inline when it finishes: the group is ready for a batch then.
         _wait(lambda: len(buffer.ready) == 1, 120, "the sample to finish")
@@ -129,8 +156,12 @@ def test_a_killed_generators_partial_sample_is_continued_not_restarted(tmp_path,
 
 
 def _start_buffer(config_path: Path, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "asyncrl.buffer.server", "--config", str(config_path)],
-                            stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=_env())  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "asyncrl.buffer.server", "--config", str(config_path)],
+        stdout=open(log, "ab"),
+        stderr=subprocess.STDOUT,
+        env=_env(),
+    )
 
 
 def test_a_sigkilled_buffer_comes_back_with_everything_it_accepted(tmp_path, tiny_model_dir):
@@ -139,12 +170,15 @@ def test_a_sigkilled_buffer_comes_back_with_everything_it_accepted(tmp_path, tin
     leases it issued still take chunks, streamed tokens count, a finished sample is
     scored, and the prompt stream goes on where it was."""
     cfg = RolloutConfig(
-        run_dir=str(tmp_path), run_id="w", model=ModelConfig(path=tiny_model_dir),
+        run_dir=str(tmp_path),
+        run_id="w",
+        model=ModelConfig(path=tiny_model_dir),
         task=TaskConfig(train_size=100, eval_size=10),
-        buffer=BufferConfig(prompts_per_batch=2, samples_per_prompt=2, heartbeat_timeout_s=60,
-                            checkpoint_s=3600),
+        buffer=BufferConfig(
+            prompts_per_batch=2, samples_per_prompt=2, heartbeat_timeout_s=60, checkpoint_s=3600
+        ),
         reward=RewardConfig(workers=0),  # the verifier inline: scored within a loop turn
-    )  # fmt: skip
+    )
     config_path = tmp_path / "rollout.json"
     save_json(cfg, config_path)
     t, log = cfg.transport, tmp_path / "buffer.log"
@@ -159,10 +193,22 @@ def test_a_sigkilled_buffer_comes_back_with_everything_it_accepted(tmp_path, tin
         dealer.send(encode(LeaseRequest(run_id="w", worker_id="g0", capacity=3)))
         assert dealer.poll(60_000)
         leases = WireDecoder("w").decode(dealer.recv()).leases
-        chunk = lambda lease, seq, ids, done=False: encode(Chunk(  # noqa: E731
-            run_id="w", worker_id="g0", lease_id=lease.lease_id, seq=seq, token_ids=ids,
-            logprobs=[-1.0] * len(ids), versions=[0] * len(ids), finished=done,
-            finish_reason="stop" if done else None))  # fmt: skip
+
+        def chunk(lease, seq, ids, done=False):
+            return encode(
+                Chunk(
+                    run_id="w",
+                    worker_id="g0",
+                    lease_id=lease.lease_id,
+                    seq=seq,
+                    token_ids=ids,
+                    logprobs=[-1.0] * len(ids),
+                    versions=[0] * len(ids),
+                    finished=done,
+                    finish_reason="stop" if done else None,
+                )
+            )
+
         push.send(chunk(leases[0], 0, [5, 6]))
         push.send(chunk(leases[1], 0, [7], done=True))
         wal = lambda: b"".join(p.read_bytes() for p in (tmp_path / "buffer_wal").glob("*.wal"))  # noqa: E731

@@ -86,8 +86,9 @@ def bad_weights(rng: random.Random) -> list[list[bytes]]:
         return encode(WeightsAnnounce(**fields))
 
     meta = [TensorMeta("w", "float32", [4])]
-    cases = [[bytes(rng.randrange(256) for _ in range(rng.randint(0, 64))), b"x" * 8]
-             for _ in range(10)]  # fmt: skip
+    cases = [
+        [bytes(rng.randrange(256) for _ in range(rng.randint(0, 64))), b"x" * 8] for _ in range(10)
+    ]
     cases += [
         [announce(meta)[:-3], b"x" * 16],  # truncated header
         [announce(meta, run_id="someone-else"), b"x" * 16],
@@ -104,11 +105,15 @@ def bad_weights(rng: random.Random) -> list[list[bytes]]:
 
 def _config(tmp_path, model_dir: str) -> RolloutConfig:
     return RolloutConfig(
-        run_dir=str(tmp_path), run_id=RUN, model=ModelConfig(path=model_dir),
-        task=TaskConfig(train_size=100, eval_size=10), buffer=BufferConfig(prompts_per_batch=2, samples_per_prompt=2),
-        sampling=SamplingConfig(max_new_tokens=8), transport=TransportConfig(heartbeat_s=0.1),
+        run_dir=str(tmp_path),
+        run_id=RUN,
+        model=ModelConfig(path=model_dir),
+        task=TaskConfig(train_size=100, eval_size=10),
+        buffer=BufferConfig(prompts_per_batch=2, samples_per_prompt=2),
+        sampling=SamplingConfig(max_new_tokens=8),
+        transport=TransportConfig(heartbeat_s=0.1),
         engine=EngineConfig(max_slots=2, max_seq_len=64, threads=1),
-    )  # fmt: skip
+    )
 
 
 def _spawn(args: list[str], log) -> subprocess.Popen:
@@ -134,8 +139,17 @@ def test_fuzzing_every_buffer_socket(tmp_path, tiny_model_dir):
         leases.connect(endpoints["leases"])
         trainer = make_socket(ctx, zmq.DEALER, cfg.transport, identity="fuzz-trainer")
         trainer.connect(endpoints["trainer"])
-        chunk = encode(Chunk(run_id=RUN, worker_id="x", lease_id="none", seq=0, token_ids=[1], logprobs=[0.0],
-                             versions=[0]))  # fmt: skip
+        chunk = encode(
+            Chunk(
+                run_id=RUN,
+                worker_id="x",
+                lease_id="none",
+                seq=0,
+                token_ids=[1],
+                logprobs=[0.0],
+                versions=[0],
+            )
+        )
         request = encode(LeaseRequest(run_id=RUN, worker_id="fuzzer", capacity=1))
         for sock, good, misplaced in (
             (push, chunk, request),
@@ -213,8 +227,16 @@ def test_fuzzing_a_generator(tmp_path, tiny_model_dir):
         sent += len(weights)
         # A good lease after all that: the generator streams its tokens back.
         identity, _ = router.recv_multipart()
-        lease = Lease(run_id=RUN, lease_id="L", prompt_id=0, group_id=0, sample_index=0, prompt_ids=[5, 6, 7],
-                      sampling=SamplingSpec(max_new_tokens=5), deadline=time.time() + 60)  # fmt: skip
+        lease = Lease(
+            run_id=RUN,
+            lease_id="L",
+            prompt_id=0,
+            group_id=0,
+            sample_index=0,
+            prompt_ids=[5, 6, 7],
+            sampling=SamplingSpec(max_new_tokens=5),
+            deadline=time.time() + 60,
+        )
         router.send_multipart([identity, encode(LeaseGrant(run_id=RUN, leases=[lease]))])
         finished, beat = False, None
         deadline = time.time() + 60
@@ -255,8 +277,16 @@ def test_fuzzing_a_trainer_rank(tmp_path):
         assert WireDecoder(RUN).decode(request) == BatchRequest(
             run_id=RUN, step=3, rank=0, world_size=1
         )
-        sample = Sample(prompt_id=0, group_id=0, sample_index=0, token_ids=[5, 6], logprobs=[0.0, -1.0],
-                        versions=[-1, 0], loss_mask=[0, 1], reward=1.0)  # fmt: skip
+        sample = Sample(
+            prompt_id=0,
+            group_id=0,
+            sample_index=0,
+            token_ids=[5, 6],
+            logprobs=[0.0, -1.0],
+            versions=[-1, 0],
+            loss_mask=[0, 1],
+            reward=1.0,
+        )
         good = Batch(run_id=RUN, step=3, rank=0, samples=[sample])
         expected: Counter[str] = Counter()
         misplaced = encode(VersionAnnounce(run_id=RUN, version=1))
@@ -267,9 +297,12 @@ def test_fuzzing_a_trainer_rank(tmp_path):
             # It expects only a Batch: any other message is undecodable to it.
             expected["decode"] += 1
         for kind, batch in (
-            ("protocol", Batch(run_id=RUN, step=3, rank=0, samples=[], protocol=PROTOCOL_VERSION + 1)),
+            (
+                "protocol",
+                Batch(run_id=RUN, step=3, rank=0, samples=[], protocol=PROTOCOL_VERSION + 1),
+            ),
             ("run_id", Batch(run_id="someone-else", step=3, rank=0, samples=[])),
-        ):  # fmt: skip
+        ):
             router.send_multipart([identity, encode(batch)])
             expected[kind] += 1
         router.send_multipart([identity, encode(Batch(run_id=RUN, step=2, rank=0, samples=[]))])
@@ -297,8 +330,12 @@ def test_fuzzing_the_weights_publisher(tmp_path):
         xsub = make_socket(ctx, zmq.XSUB, transport)
         xsub.connect(endpoint)
         for _ in range(50):
-            xsub.send_multipart([bytes(rng.randrange(256) for _ in range(rng.randint(0, 64)))
-                                 for _ in range(rng.randint(1, 3))])  # fmt: skip
+            xsub.send_multipart(
+                [
+                    bytes(rng.randrange(256) for _ in range(rng.randint(0, 64)))
+                    for _ in range(rng.randint(1, 3))
+                ]
+            )
         xsub.send(b"\x00")  # an unsubscription from nothing
         xsub.send(b"\x01" + b"x" * (1 << 17))  # over the size limit: the connection is dropped
         sub = make_socket(ctx, zmq.SUB, transport, max_message_bytes=transport.max_weights_bytes)

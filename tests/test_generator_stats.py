@@ -69,18 +69,40 @@ def test_superseded_update_is_not_timed_as_a_flip():
 def test_run_report_on_hand_made_run(tmp_path):
     lines = [
         {"process": "trainer", "step": 0, "time": 1.0, "eval/accuracy": 0.1},
-        *[{"process": "trainer", "step": s, "time": 30.0 * s, "train/loss": 0.5,
-           "train/tokens_per_s": 100.0, "train/wait_for_batch_s": 3.0, "train/tokens": 600}
-          for s in (1, 2, 3, 4)],
+        *[
+            {
+                "process": "trainer",
+                "step": s,
+                "time": 30.0 * s,
+                "train/loss": 0.5,
+                "train/tokens_per_s": 100.0,
+                "train/wait_for_batch_s": 3.0,
+                "train/tokens": 600,
+            }
+            for s in (1, 2, 3, 4)
+        ],
         {"process": "trainer", "step": 4, "time": 130.0, "eval/accuracy": 0.4},
-        {"process": "generator_g0", "step": 1, "time": 5.0, "generator/window_s": 10.0,
-         "generator/idle_s": 2.0, "generator/tokens": 500.0},
-        {"process": "generator_g0", "step": 3, "time": 15.0, "generator/window_s": 10.0,
-         "generator/idle_s": 6.0, "generator/tokens": 300.0},
-    ]  # fmt: skip
+        {
+            "process": "generator_g0",
+            "step": 1,
+            "time": 5.0,
+            "generator/window_s": 10.0,
+            "generator/idle_s": 2.0,
+            "generator/tokens": 500.0,
+        },
+        {
+            "process": "generator_g0",
+            "step": 3,
+            "time": 15.0,
+            "generator/window_s": 10.0,
+            "generator/idle_s": 6.0,
+            "generator/tokens": 300.0,
+        },
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"proc')
-    (tmp_path / "summary.json").write_text(json.dumps({"steps": 4, "wall_time_s": 140.0,
-                                                       "train_time_s": 120.0}))  # fmt: skip
+    (tmp_path / "summary.json").write_text(
+        json.dumps({"steps": 4, "wall_time_s": 140.0, "train_time_s": 120.0})
+    )
     (tmp_path / "generator_g0_summary.json").write_text(
         json.dumps({"update_step_ms_p99": 9.0, "steady_step_ms_p99": 3.0})
     )

@@ -96,8 +96,10 @@ def test_pairs_stay_whole_and_in_order(layout):
         firsts = mb.sequence_sums(torch.where(mb.position_ids == 0, ids, 0.0))
         lasts = mb.last_token(ids)
         sums = mb.sequence_sums(ids)
-        keys = [(mb.seq_lens[j], firsts[j].item(), lasts[j].item(), sums[j].item())
-                for j in range(len(mb.seq_lens))]  # fmt: skip
+        keys = [
+            (mb.seq_lens[j], firsts[j].item(), lasts[j].item(), sums[j].item())
+            for j in range(len(mb.seq_lens))
+        ]
         found += list(zip(keys[0::2], keys[1::2]))
     key = lambda s: (len(s), float(s.input_ids[0]), float(s.input_ids[-1]), float(sum(s.input_ids)))  # noqa: E731
     assert sorted(found) == sorted((key(c), key(r)) for c, r in pairs)
@@ -113,10 +115,12 @@ def test_dpo_against_itself_is_log_2_with_zero_margins(tiny_model_dir):
     pairs = random_pairs(12, vocab, seed=3)
     refs = reference_logprobs(model, [s for p in pairs for s in p], chunk=5)
     with_ref = [
-        (TokenSequence(c.input_ids, c.loss_mask, {"ref_logprobs": refs[2 * i]}),
-         TokenSequence(r.input_ids, r.loss_mask, {"ref_logprobs": refs[2 * i + 1]}))
+        (
+            TokenSequence(c.input_ids, c.loss_mask, {"ref_logprobs": refs[2 * i]}),
+            TokenSequence(r.input_ids, r.loss_mask, {"ref_logprobs": refs[2 * i + 1]}),
+        )
         for i, (c, r) in enumerate(pairs)
-    ]  # fmt: skip
+    ]
     cfg = TrainerConfig(micro_batch_tokens=64, row_tokens=32)
     total, margin, count = 0.0, 0.0, 0
     with torch.no_grad():
@@ -177,8 +181,13 @@ def write_pairs(path: Path, rows: list[dict]) -> None:
 def test_pair_data_errors_name_the_line(tiny_model_dir, tmp_path):
     tokenizer = load_tokenizer(tiny_model_dir)
     path = tmp_path / "pairs.jsonl"
-    write_pairs(path, [{"prompt": "1 + 2 =", "chosen": " 3", "rejected": " 4"},
-                       {"prompt": "1 + 3 =", "completion": " 4"}])  # fmt: skip
+    write_pairs(
+        path,
+        [
+            {"prompt": "1 + 2 =", "chosen": " 3", "rejected": " 4"},
+            {"prompt": "1 + 3 =", "completion": " 4"},
+        ],
+    )
     with pytest.raises(
         Exception, match=r"pairs.jsonl:2: a preference row needs chosen and rejected"
     ):
@@ -205,18 +214,31 @@ def test_a_short_stage_run_through_the_launcher(stage, tiny_model_dir, tmp_path)
     experiment = "tiny_rm.py" if stage == "rm" else "tiny_dpo.py"
     run_dir, export = tmp_path / "run", tmp_path / "export"
     overrides = [
-        f"run_dir={run_dir}", f"model.path={tiny_model_dir}", f"export_dir={export}",
-        f"data.train_path={data / 'train.jsonl'}", f"data.eval_path={data / 'eval.jsonl'}",
-        "max_steps=4", "batch_size=8", "eval.every_steps=2", "eval.num_examples=10",
-        "trainer.micro_batch_tokens=64", "trainer.row_tokens=32", "metrics.tensorboard=false",
-        "metrics.progress_bar=false", "task.train_size=200", "task.eval_size=20",
-    ]  # fmt: skip
+        f"run_dir={run_dir}",
+        f"model.path={tiny_model_dir}",
+        f"export_dir={export}",
+        f"data.train_path={data / 'train.jsonl'}",
+        f"data.eval_path={data / 'eval.jsonl'}",
+        "max_steps=4",
+        "batch_size=8",
+        "eval.every_steps=2",
+        "eval.num_examples=10",
+        "trainer.micro_batch_tokens=64",
+        "trainer.row_tokens=32",
+        "metrics.tensorboard=false",
+        "metrics.progress_bar=false",
+        "task.train_size=200",
+        "task.eval_size=20",
+    ]
     if stage == "dpo":
         overrides += ["reference=on_the_fly", "loss.nll_coef=0"]  # plain DPO: log 2 at the start
     out = subprocess.run(
         [sys.executable, "launch/local.py", f"experiments/{experiment}", *overrides],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4

@@ -48,10 +48,15 @@ class _ParityVerifier:
 
 def _config(tmp_path: Path, seed: int = 0) -> PreferenceDataConfig:
     return PreferenceDataConfig(
-        train_path=str(tmp_path / "prefs" / "train.jsonl"), eval_path=str(tmp_path / "prefs" / "eval.jsonl"),
-        train_prompts=5, samples_per_prompt=6, max_new_tokens=6, max_pairs_per_prompt=2, seed=seed,
+        train_path=str(tmp_path / "prefs" / "train.jsonl"),
+        eval_path=str(tmp_path / "prefs" / "eval.jsonl"),
+        train_prompts=5,
+        samples_per_prompt=6,
+        max_new_tokens=6,
+        max_pairs_per_prompt=2,
+        seed=seed,
         max_slots=7,  # fewer than a split's requests: they go through the engine in waves
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture
@@ -170,10 +175,27 @@ def test_preference_rows_with_an_answer_load_and_other_mixes_still_fail(tmp_path
 
 def test_cli_writes_the_files_and_prints_the_counts(tiny_model_dir, tmp_path):
     out = tmp_path / "prefs"
-    cmd = [sys.executable, "tools/make_preference_data.py", "--policy", tiny_model_dir,
-           "--experiment", "experiments/tiny_sft.py", "--out-dir", str(out), "--train-prompts", "3",
-           "--samples-per-prompt", "3", "--max-new-tokens", "4", "--threads", "1",
-           "task.train_size=200", "task.eval_size=4", "task.unseen_candidates=300"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "tools/make_preference_data.py",
+        "--policy",
+        tiny_model_dir,
+        "--experiment",
+        "experiments/tiny_sft.py",
+        "--out-dir",
+        str(out),
+        "--train-prompts",
+        "3",
+        "--samples-per-prompt",
+        "3",
+        "--max-new-tokens",
+        "4",
+        "--threads",
+        "1",
+        "task.train_size=200",
+        "task.eval_size=4",
+        "task.unseen_candidates=300",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     stats = json.loads(proc.stdout.strip().splitlines()[-1])

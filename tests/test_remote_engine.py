@@ -39,13 +39,22 @@ needs_sglang = pytest.mark.skipif(not SGLANG, reason="needs sglang and a CUDA GP
 PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10], [11, 3], [12, 13, 14, 15], [4, 4, 4, 4, 4, 4], [9]]
 
 
-def remote_config(num_servers: int = 1, max_inflight: int = 64, server: str = "embedded",
-                  **remote) -> EngineConfig:  # fmt: skip
+def remote_config(
+    num_servers: int = 1, max_inflight: int = 64, server: str = "embedded", **remote
+) -> EngineConfig:
     if server == "sglang":
         remote.setdefault("mem_fraction_static", 0.3)
-    return EngineConfig(threads=1, backend="remote", remote=RemoteEngineConfig(
-        server=server, num_servers=num_servers, max_inflight=max_inflight,
-        startup_timeout_s=600 if server == "sglang" else 120, **remote))  # fmt: skip
+    return EngineConfig(
+        threads=1,
+        backend="remote",
+        remote=RemoteEngineConfig(
+            server=server,
+            num_servers=num_servers,
+            max_inflight=max_inflight,
+            startup_timeout_s=600 if server == "sglang" else 120,
+            **remote,
+        ),
+    )
 
 
 def drain(engine, request_ids, timeout_s: float = 60.0, on_tokens=None):
@@ -53,7 +62,9 @@ def drain(engine, request_ids, timeout_s: float = 60.0, on_tokens=None):
     tokens, finished = {}, {}
     deadline = time.time() + timeout_s
     while set(finished) != set(request_ids):
-        assert time.time() < deadline, f"unfinished after {timeout_s}s: {set(request_ids) - set(finished)}"  # fmt: skip
+        assert time.time() < deadline, (
+            f"unfinished after {timeout_s}s: {set(request_ids) - set(finished)}"
+        )
         out = engine.step()
         for t in out.tokens:
             tokens.setdefault(t.request_id, []).append(t)
@@ -66,8 +77,11 @@ def drain(engine, request_ids, timeout_s: float = 60.0, on_tokens=None):
 
 
 def post(url: str, path: str, payload: dict) -> None:
-    request = urllib.request.Request(f"{url}{path}", data=json.dumps(payload).encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        f"{url}{path}",
+        data=json.dumps(payload).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     urllib.request.urlopen(request, timeout=30).read()
 
 
@@ -117,8 +131,9 @@ def test_sampled_requests_and_stop_tokens(two_servers):
     tokens, _ = drain(two_servers, ["g"])
     stop_at = tokens["g"][2].token_id
     first = [t.token_id for t in tokens["g"]].index(stop_at)
-    stopped = Request("s", [5, 6, 7], SamplingParams(max_new_tokens=10, temperature=0.0,
-                                                     stop_token_ids=[stop_at]))  # fmt: skip
+    stopped = Request(
+        "s", [5, 6, 7], SamplingParams(max_new_tokens=10, temperature=0.0, stop_token_ids=[stop_at])
+    )
     sampled = Request("t", [5, 6, 7], SamplingParams(max_new_tokens=10, top_k=5, top_p=0.9))
     two_servers.submit(stopped)
     two_servers.submit(sampled)
@@ -170,8 +185,10 @@ def test_staged_tensors_reach_every_server(two_servers, tiny_model_dir, tmp_path
         two_servers.step()
     assert two_servers.stats()["engine/weight_updates"] == 1
     assert two_servers.stats()["engine/staged_version"] == -1
-    requests = [Request(f"w{i}", p, SamplingParams(max_new_tokens=6, temperature=0.0))
-                for i, p in enumerate(PROMPTS[:4])]  # fmt: skip
+    requests = [
+        Request(f"w{i}", p, SamplingParams(max_new_tokens=6, temperature=0.0))
+        for i, p in enumerate(PROMPTS[:4])
+    ]
     for r in requests:
         two_servers.submit(r)
     tokens, _ = drain(two_servers, [r.request_id for r in requests])
@@ -187,8 +204,10 @@ def test_staged_tensors_reach_every_server(two_servers, tiny_model_dir, tmp_path
         ]
 
 
-@pytest.mark.parametrize("server", [
-    "embedded", pytest.param("sglang", marks=[pytest.mark.sglang, pytest.mark.gpu, needs_sglang])])  # fmt: skip
+@pytest.mark.parametrize(
+    "server",
+    ["embedded", pytest.param("sglang", marks=[pytest.mark.sglang, pytest.mark.gpu, needs_sglang])],
+)
 def test_a_request_in_flight_across_a_weight_update_resumes(tiny_model_dir, tmp_path, server):
     """Weights v1 arrive while a request decodes: the server's pause ends it; the engine
     sends prompt + its tokens again, and the caller sees one request whose first tokens
@@ -230,8 +249,11 @@ def test_a_request_in_flight_across_a_weight_update_resumes(tiny_model_dir, tmp_
         # The resumed tokens are the new weights' greedy continuation of the prefix.
         local = EmbeddedEngine(str(weights), EngineConfig(max_slots=2, threads=1))
         prefix = [t.token_id for t in tokens["a"][:before]]
-        local.submit(Request("b", prompt + prefix, SamplingParams(max_new_tokens=40 - before,
-                                                                  temperature=0.0)))  # fmt: skip
+        local.submit(
+            Request(
+                "b", prompt + prefix, SamplingParams(max_new_tokens=40 - before, temperature=0.0)
+            )
+        )
         want, _ = drain(local, ["b"])
         local.close()
         assert [t.token_id for t in tokens["a"][before:]] == [t.token_id for t in want["b"]]
@@ -269,8 +291,12 @@ def test_sglang_protocol_reading():
 
 
 def test_disk_publisher_writes_loadable_versions_and_prunes(tiny_model_dir, tmp_path):
-    cfg = SimpleNamespace(run_dir=str(tmp_path / "run"), run_id="run", transport=TransportConfig(),
-                          model=ModelConfig(path=tiny_model_dir))  # fmt: skip
+    cfg = SimpleNamespace(
+        run_dir=str(tmp_path / "run"),
+        run_id="run",
+        transport=TransportConfig(),
+        model=ModelConfig(path=tiny_model_dir),
+    )
     publisher = DiskWeightPublisher(cfg)
     ctx = zmq.Context()
     sub = make_socket(ctx, zmq.SUB, cfg.transport)
@@ -327,13 +353,25 @@ def test_launcher_runs_tiny_grpo_with_remote_generators(tmp_path, tiny_model_dir
     and on consumed tokens; the loss is finite; old weight directories are pruned."""
     run_dir = tmp_path / "run"
     cmd = [
-        sys.executable, "launch/local.py", "experiments/tiny_grpo.py", f"run_dir={run_dir}",
-        f"model.path={tiny_model_dir}", "rl.max_steps=4", "eval.every_steps=0",
-        "task.train_size=200", "buffer.prompts_per_batch=2", "buffer.samples_per_prompt=4",
-        "buffer.dynamic_sampling=false", "buffer.max_staleness=1", "engine.max_slots=8",
-        "transport.heartbeat_s=0.2", "engine.backend=remote", "engine.remote.server=embedded",
-        "engine.remote.max_inflight=8", "engine.remote.startup_timeout_s=120",
-    ]  # fmt: skip
+        sys.executable,
+        "launch/local.py",
+        "experiments/tiny_grpo.py",
+        f"run_dir={run_dir}",
+        f"model.path={tiny_model_dir}",
+        "rl.max_steps=4",
+        "eval.every_steps=0",
+        "task.train_size=200",
+        "buffer.prompts_per_batch=2",
+        "buffer.samples_per_prompt=4",
+        "buffer.dynamic_sampling=false",
+        "buffer.max_staleness=1",
+        "engine.max_slots=8",
+        "transport.heartbeat_s=0.2",
+        "engine.backend=remote",
+        "engine.remote.server=embedded",
+        "engine.remote.max_inflight=8",
+        "engine.remote.startup_timeout_s=120",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 4
@@ -363,8 +401,13 @@ def test_nccl_publisher_broadcasts_into_a_sglang_server(tiny_model_dir, tmp_path
 
     run_dir = tmp_path / "run"
     engine_cfg = remote_config(server="sglang", weight_update="nccl")
-    cfg = SimpleNamespace(run_dir=str(run_dir), run_id="run", num_generators=1,
-                          transport=TransportConfig(), engine=engine_cfg)  # fmt: skip
+    cfg = SimpleNamespace(
+        run_dir=str(run_dir),
+        run_id="run",
+        num_generators=1,
+        transport=TransportConfig(),
+        engine=engine_cfg,
+    )
     engine = generator_engine(cfg, tiny_model_dir, "g0")
     publisher = NcclWeightPublisher(cfg)
     try:

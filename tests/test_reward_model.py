@@ -140,8 +140,11 @@ def test_the_scorers_thread_count_stays_in_its_thread(rm_dir):
 
 def test_reward_config_needs_a_model_path_for_model_sources(tiny_model_dir):
     for source in ("model", "mixed"):
-        cfg = RolloutConfig(model=ModelConfig(path=tiny_model_dir), task=TASK_CFG,
-                            reward=RewardConfig(workers=0, source=source))  # fmt: skip
+        cfg = RolloutConfig(
+            model=ModelConfig(path=tiny_model_dir),
+            task=TASK_CFG,
+            reward=RewardConfig(workers=0, source=source),
+        )
         with pytest.raises(ValueError, match="reward.model_path"):
             Scoring(cfg)
     with pytest.raises(ValueError, match="reward.source"):
@@ -161,8 +164,14 @@ class _Buffer:
 
 @pytest.mark.parametrize("source", ["verifier", "model", "mixed"])
 def test_scoring_combines_verifier_and_model_by_source(source, tiny_model_dir, rm_dir, rm):
-    reward = RewardConfig(workers=0, source=source, model_path=rm_dir, verifier_weight=0.5,
-                          model_weight=2.0, model_batch_size=2)  # fmt: skip
+    reward = RewardConfig(
+        workers=0,
+        source=source,
+        model_path=rm_dir,
+        verifier_weight=0.5,
+        model_weight=2.0,
+        model_batch_size=2,
+    )
     scoring = Scoring(
         RolloutConfig(model=ModelConfig(path=tiny_model_dir), task=TASK_CFG, reward=reward)
     )
@@ -177,8 +186,11 @@ def test_scoring_combines_verifier_and_model_by_source(source, tiny_model_dir, r
             assert (verifier == 1.0) == (j == 0)
             (model,) = score_sequences(rm, [prompt + completion], 0)
             unscored.append(((i, j), i, completion))
-            expected[(i, j)] = {"verifier": verifier, "model": model,
-                                "mixed": 0.5 * verifier + 2.0 * model}[source]  # fmt: skip
+            expected[(i, j)] = {
+                "verifier": verifier,
+                "model": model,
+                "mixed": 0.5 * verifier + 2.0 * model,
+            }[source]
     buffer = _Buffer(unscored)
     try:
         deadline = time.monotonic() + 30
@@ -202,13 +214,16 @@ def test_real_buffer_run_trains_on_reward_model_scores(tiny_model_dir, rm_dir, r
     """The buffer process's server and a generator, in threads of this process, over real
     sockets; the trainer's side is a ``BufferClient``."""
     cfg = RolloutConfig(
-        run_dir=str(tmp_path), run_id="rm", model=ModelConfig(path=tiny_model_dir), task=TASK_CFG,
+        run_dir=str(tmp_path),
+        run_id="rm",
+        model=ModelConfig(path=tiny_model_dir),
+        task=TASK_CFG,
         buffer=BufferConfig(prompts_per_batch=2, samples_per_prompt=3, checkpoint_s=0),
         sampling=SamplingConfig(max_new_tokens=6, temperature=1.0),
         reward=RewardConfig(workers=0, source="model", model_path=rm_dir, model_batch_size=4),
         engine=EngineConfig(max_slots=4, max_seq_len=64, threads=1),
         metrics=MetricsConfig(tensorboard=False, progress_bar=False),
-    )  # fmt: skip
+    )
     prompts = TaskPrompts(build_task(cfg.task), cfg.model.path, cfg.seed)
     buffer = RolloutBuffer(cfg.buffer, cfg.run_id, prompts, None, cfg.sampling.spec())
     server = BufferServer(cfg, buffer, Scoring(cfg))

@@ -63,8 +63,16 @@ def _grouped_batch(vocab: int, sizes: list[int], seed: int = 0) -> list[TokenSeq
     return out
 
 
-def _loss_and_grads(core: TrainerCore, seqs, cfg, separate_pass: bool, reference=None,
-                    sizes: int | list[int] = 1, share: bool = False, row: int = 256):  # fmt: skip
+def _loss_and_grads(
+    core: TrainerCore,
+    seqs,
+    cfg,
+    separate_pass: bool,
+    reference=None,
+    sizes: int | list[int] = 1,
+    share: bool = False,
+    row: int = 256,
+):
     micro = make_micro_batches(seqs, row, "packed", 0, row, sizes, share)  # several micro-batches
     assert len(micro) > 1
     recompute_logprobs(core, micro, reference, TEMPERATURE, proximal=separate_pass)
@@ -83,8 +91,9 @@ def _loss_and_grads(core: TrainerCore, seqs, cfg, separate_pass: bool, reference
 def test_proximal_from_the_steps_own_forward_equals_the_separate_pass(
     dist_info, tiny_model_dir, positive_nll_coef
 ):
-    loss = PPOLossConfig(clip_low=0.2, clip_high=0.28, dual_clip=3.0, iw_cap=2.0,
-                         positive_nll_coef=positive_nll_coef)  # fmt: skip
+    loss = PPOLossConfig(
+        clip_low=0.2, clip_high=0.28, dual_clip=3.0, iw_cap=2.0, positive_nll_coef=positive_nll_coef
+    )
     cfg = RLExperiment(rl=RLConfig(loss=loss))
     core = TrainerCore(
         ModelConfig(path=tiny_model_dir), TrainerConfig(), OptimConfig(), dist_info, 0
@@ -112,8 +121,15 @@ def test_a_shared_prompt_gives_the_flat_layouts_loss_and_gradients(
     """Each group laid out as a tree over its prompt: the same loss and gradients as every
     sample on its own, with a KL term to a reference model and an entropy bonus (every
     quantity read from the realigned logits), in fewer forward positions."""
-    loss = PPOLossConfig(clip_low=0.2, clip_high=0.28, iw_cap=2.0, positive_nll_coef=2.0,
-                         kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01)  # fmt: skip
+    loss = PPOLossConfig(
+        clip_low=0.2,
+        clip_high=0.28,
+        iw_cap=2.0,
+        positive_nll_coef=2.0,
+        kl_coef=0.1,
+        kl_estimator="k3",
+        entropy_coef=0.01,
+    )
     cfg = RLExperiment(rl=RLConfig(loss=loss))
     model_cfg = ModelConfig(path=tiny_model_dir)
     core = TrainerCore(model_cfg, TrainerConfig(), OptimConfig(), dist_info, 0)
@@ -148,8 +164,9 @@ def test_several_updates_on_a_batch_keep_the_proximal_policy_of_the_steps_start(
     cfg = RLExperiment(rl=RLConfig(loss=PPOLossConfig(clip_low=0.2, clip_high=0.28)))
     optim = OptimConfig(lr=3e-2, warmup_steps=0, schedule="cosine", total_steps=4)
     model_cfg = ModelConfig(path=tiny_model_dir)
-    kept, passed, by_hand = (TrainerCore(model_cfg, TrainerConfig(), optim, dist_info, 0)
-                             for _ in range(3))  # fmt: skip
+    kept, passed, by_hand = (
+        TrainerCore(model_cfg, TrainerConfig(), optim, dist_info, 0) for _ in range(3)
+    )
     seqs = _batch(kept.model.config.vocab_size)
     micro = [make_micro_batches(seqs, 128, "packed", 0, 128) for _ in range(3)]
     assert len(micro[0]) > 1
@@ -197,8 +214,10 @@ def test_kl_in_reward_penalizes_the_packed_token_rewards():
     for _ in range(6):
         length, prompt = rng.randint(4, 9), 2
         mask = [0] * prompt + [1] * (length - prompt)
-        fields = {"behavior": [rng.uniform(-3, 0) * m for m in mask],
-                  "rewards": [0.0] * (length - 1) + [rng.uniform(-1, 1)]}  # fmt: skip
+        fields = {
+            "behavior": [rng.uniform(-3, 0) * m for m in mask],
+            "rewards": [0.0] * (length - 1) + [rng.uniform(-1, 1)],
+        }
         seqs.append(TokenSequence(list(range(3, 3 + length)), mask, fields))
     micro = make_micro_batches(seqs, 16, "packed", 0, row_tokens=16)
     assert len(micro) > 1

@@ -30,12 +30,23 @@ def test_launcher_runs_tiny_grpo(tmp_path, tiny_model_dir, max_staleness):
     run_dir = tmp_path / "run"
     extra = ["rl.loss.kl_coef=0.05", "rl.loss.entropy_coef=0.01"] if max_staleness == "2" else []
     cmd = [
-        sys.executable, "launch/local.py", "experiments/tiny_grpo.py", f"run_dir={run_dir}",
-        f"model.path={tiny_model_dir}", "rl.max_steps=4", "eval.every_steps=2", "eval.num_examples=8",
-        "task.train_size=200", "buffer.prompts_per_batch=2", "buffer.samples_per_prompt=4",
-        "buffer.dynamic_sampling=false", f"buffer.max_staleness={max_staleness}", "engine.max_slots=8",
-        "transport.heartbeat_s=0.2", "num_generators=2",
-    ] + extra  # fmt: skip
+        sys.executable,
+        "launch/local.py",
+        "experiments/tiny_grpo.py",
+        f"run_dir={run_dir}",
+        f"model.path={tiny_model_dir}",
+        "rl.max_steps=4",
+        "eval.every_steps=2",
+        "eval.num_examples=8",
+        "task.train_size=200",
+        "buffer.prompts_per_batch=2",
+        "buffer.samples_per_prompt=4",
+        "buffer.dynamic_sampling=false",
+        f"buffer.max_staleness={max_staleness}",
+        "engine.max_slots=8",
+        "transport.heartbeat_s=0.2",
+        "num_generators=2",
+    ] + extra
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -66,9 +77,20 @@ def test_launcher_runs_tiny_grpo(tmp_path, tiny_model_dir, max_staleness):
     check_run_report(run_dir, consumed=4 * 2 * 4)
 
 
-GENERATOR_KEYS = {f"generator/{k}" for k in (
-    "window_s", "tokens", "tokens_per_s", "idle_s", "idle_fraction", "steps", "update_steps",
-    "weights_received", "version")}  # fmt: skip
+GENERATOR_KEYS = {
+    f"generator/{k}"
+    for k in (
+        "window_s",
+        "tokens",
+        "tokens_per_s",
+        "idle_s",
+        "idle_fraction",
+        "steps",
+        "update_steps",
+        "weights_received",
+        "version",
+    )
+}
 
 
 def check_generator_metrics(run_dir: Path) -> None:
@@ -88,8 +110,13 @@ def check_generator_metrics(run_dir: Path) -> None:
 
 
 def check_run_report(run_dir: Path, consumed: int) -> None:
-    proc = subprocess.run([sys.executable, "tools/run_report.py", str(run_dir)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "tools/run_report.py", str(run_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     (line,) = proc.stdout.splitlines()
     report = json.loads(line)
@@ -109,12 +136,23 @@ def test_a_killed_generator_is_restarted_and_catches_up(tmp_path, tiny_model_dir
     run_dir = tmp_path / "run"
     steps = 10
     cmd = [
-        sys.executable, "launch/local.py", "experiments/tiny_grpo.py", f"run_dir={run_dir}",
-        f"model.path={tiny_model_dir}", f"rl.max_steps={steps}", "eval.every_steps=0",
-        "task.train_size=200", "task.rl_split=train", "buffer.prompts_per_batch=2",
-        "buffer.samples_per_prompt=4", "buffer.dynamic_sampling=false", "buffer.max_staleness=1",
-        "engine.max_slots=8", "transport.heartbeat_s=0.2", "num_generators=1",
-    ]  # fmt: skip
+        sys.executable,
+        "launch/local.py",
+        "experiments/tiny_grpo.py",
+        f"run_dir={run_dir}",
+        f"model.path={tiny_model_dir}",
+        f"rl.max_steps={steps}",
+        "eval.every_steps=0",
+        "task.train_size=200",
+        "task.rl_split=train",
+        "buffer.prompts_per_batch=2",
+        "buffer.samples_per_prompt=4",
+        "buffer.dynamic_sampling=false",
+        "buffer.max_staleness=1",
+        "engine.max_slots=8",
+        "transport.heartbeat_s=0.2",
+        "num_generators=1",
+    ]
     launcher = subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -131,8 +169,11 @@ def test_a_killed_generator_is_restarted_and_catches_up(tmp_path, tiny_model_dir
             time.sleep(0.2)
         else:
             pytest.fail("the trainer never reached step 3")
-        pids = subprocess.run(["pgrep", "-f", f"asyncrl.generator.worker --config {run_dir}/"],
-                              capture_output=True, text=True).stdout.split()  # fmt: skip
+        pids = subprocess.run(
+            ["pgrep", "-f", f"asyncrl.generator.worker --config {run_dir}/"],
+            capture_output=True,
+            text=True,
+        ).stdout.split()
         assert len(pids) == 1, pids
         os.kill(int(pids[0]), signal.SIGKILL)
         out, _ = launcher.communicate(timeout=240)
@@ -170,11 +211,19 @@ def test_sigterm_to_the_launcher_stops_every_process(tmp_path, tiny_model_dir):
     the generator and the trainer too, instead of leaving them running."""
     run_dir = tmp_path / "run"
     cmd = [
-        sys.executable, "launch/local.py", "experiments/tiny_grpo.py", f"run_dir={run_dir}",
-        f"model.path={tiny_model_dir}", "rl.max_steps=100000", "eval.every_steps=0",
-        "task.train_size=200", "task.rl_split=train", "buffer.prompts_per_batch=2",
-        "buffer.samples_per_prompt=4", "engine.max_slots=8",
-    ]  # fmt: skip
+        sys.executable,
+        "launch/local.py",
+        "experiments/tiny_grpo.py",
+        f"run_dir={run_dir}",
+        f"model.path={tiny_model_dir}",
+        "rl.max_steps=100000",
+        "eval.every_steps=0",
+        "task.train_size=200",
+        "task.rl_split=train",
+        "buffer.prompts_per_batch=2",
+        "buffer.samples_per_prompt=4",
+        "engine.max_slots=8",
+    ]
     launcher = subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

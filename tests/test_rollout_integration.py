@@ -38,15 +38,22 @@ def _start(args: list[str], log: Path) -> subprocess.Popen:
 
 def test_buffer_generators_and_consumer_survive_a_generator_kill(tmp_path, tiny_model_dir):
     cfg = RolloutConfig(
-        run_dir=str(tmp_path), run_id="it", model=ModelConfig(path=tiny_model_dir),
+        run_dir=str(tmp_path),
+        run_id="it",
+        model=ModelConfig(path=tiny_model_dir),
         task=TaskConfig(train_size=200, eval_size=10),
-        buffer=BufferConfig(prompts_per_batch=PROMPTS, samples_per_prompt=SAMPLES, max_staleness=1,
-                            heartbeat_timeout_s=2.0, lease_timeout_s=60.0),
+        buffer=BufferConfig(
+            prompts_per_batch=PROMPTS,
+            samples_per_prompt=SAMPLES,
+            max_staleness=1,
+            heartbeat_timeout_s=2.0,
+            lease_timeout_s=60.0,
+        ),
         sampling=SamplingConfig(max_new_tokens=24, temperature=1.0),
         transport=TransportConfig(chunk_tokens=4, chunk_ms=20.0, heartbeat_s=0.2),
         engine=EngineConfig(max_slots=4, max_seq_len=128, threads=1),
         metrics=MetricsConfig(tensorboard=False, interval_s=0.5),
-    )  # fmt: skip
+    )
     config_path = tmp_path / "rollout.json"
     save_json(cfg, config_path)
     procs = {
@@ -55,8 +62,10 @@ def test_buffer_generators_and_consumer_survive_a_generator_kill(tmp_path, tiny_
         )
     }
     for g in ("g0", "g1"):
-        procs[g] = _start(["asyncrl.generator.worker", "--config", str(config_path), "--worker-id", g],
-                          tmp_path / f"{g}.log")  # fmt: skip
+        procs[g] = _start(
+            ["asyncrl.generator.worker", "--config", str(config_path), "--worker-id", g],
+            tmp_path / f"{g}.log",
+        )
     client = BufferClient(str(tmp_path), "it", rank=0, transport=cfg.transport)
     ctx = zmq.Context()
     weights = make_socket(ctx, zmq.PUB, cfg.transport)

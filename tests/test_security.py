@@ -44,10 +44,13 @@ class RunningBuffer:
 
     def __init__(self, tmp_path: Path, model_dir: str, transport: TransportConfig) -> None:
         self.cfg = RolloutConfig(
-            run_dir=str(tmp_path), run_id=RUN, model=ModelConfig(path=model_dir),
-            task=TaskConfig(train_size=100, eval_size=10), transport=transport,
+            run_dir=str(tmp_path),
+            run_id=RUN,
+            model=ModelConfig(path=model_dir),
+            task=TaskConfig(train_size=100, eval_size=10),
+            transport=transport,
             buffer=BufferConfig(prompts_per_batch=2, samples_per_prompt=2, heartbeat_timeout_s=60),
-        )  # fmt: skip
+        )
         prompts = TaskPrompts(build_task(self.cfg.task), model_dir, self.cfg.seed)
         self.buffer = RolloutBuffer(self.cfg.buffer, RUN, prompts, None, self.cfg.sampling.spec())
         self.server = BufferServer(self.cfg, self.buffer)
@@ -76,8 +79,17 @@ def mode(path: Path) -> int:
 
 
 def chunk(lease_id: str, seq: int, tokens: list[int]) -> bytes:
-    return encode(Chunk(run_id=RUN, worker_id="g0", lease_id=lease_id, seq=seq, token_ids=tokens,
-                        logprobs=[-1.0] * len(tokens), versions=[0] * len(tokens)))  # fmt: skip
+    return encode(
+        Chunk(
+            run_id=RUN,
+            worker_id="g0",
+            lease_id=lease_id,
+            seq=seq,
+            token_ids=tokens,
+            logprobs=[-1.0] * len(tokens),
+            versions=[0] * len(tokens),
+        )
+    )
 
 
 def take_lease(dealer: zmq.Socket, worker_id: str = "g0") -> str:
@@ -160,12 +172,21 @@ def test_a_run_bound_to_every_interface_trains_over_curve(tmp_path, tiny_model_d
     socket (weights included) and train."""
     run_dir = tmp_path / "run"
     cmd = [
-        sys.executable, "launch/local.py", "experiments/tiny_grpo.py", f"run_dir={run_dir}",
-        f"model.path={tiny_model_dir}", "rl.max_steps=2", "eval.num_examples=8",
-        "task.train_size=200", "buffer.prompts_per_batch=2", "buffer.samples_per_prompt=4",
-        "engine.max_slots=8", "transport.heartbeat_s=0.2", "transport.scheme=tcp",
+        sys.executable,
+        "launch/local.py",
+        "experiments/tiny_grpo.py",
+        f"run_dir={run_dir}",
+        f"model.path={tiny_model_dir}",
+        "rl.max_steps=2",
+        "eval.num_examples=8",
+        "task.train_size=200",
+        "buffer.prompts_per_batch=2",
+        "buffer.samples_per_prompt=4",
+        "engine.max_slots=8",
+        "transport.heartbeat_s=0.2",
+        "transport.scheme=tcp",
         "transport.host=0.0.0.0",
-    ]  # fmt: skip
+    ]
     env = dict(os.environ, ASYNCRL_HOST="127.0.0.1", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -185,8 +206,13 @@ def test_keys_are_private_and_made_once(tmp_path):
     assert mode(keys.directory) == mode(keys.authorized) == 0o700
     files = sorted(p for p in keys.directory.rglob("*") if p.is_file())
     names = [str(p.relative_to(keys.directory)) for p in files]
-    assert names == ["authorized/client.key", "client.key", "client.key_secret",
-                     "server.key", "server.key_secret"]  # fmt: skip
+    assert names == [
+        "authorized/client.key",
+        "client.key",
+        "client.key_secret",
+        "server.key",
+        "server.key_secret",
+    ]
     assert all(mode(p) == 0o600 for p in files)
     before = {p: p.read_bytes() for p in files}
     assert ensure_keys(tmp_path) == keys
@@ -235,8 +261,15 @@ def test_defaults_bind_ipc_or_loopback_and_curve_follows_the_host(tmp_path):
     default = TransportConfig()
     assert (default.scheme, default.host, default.curve) == ("ipc", "127.0.0.1", "auto")
     assert not curve_enabled(default)
-    for host, on in (("127.0.0.1", False), ("localhost", False), ("127.0.0.2", False),
-                     ("*", True), ("0.0.0.0", True), ("10.1.2.3", True), ("node7", True)):  # fmt: skip
+    for host, on in (
+        ("127.0.0.1", False),
+        ("localhost", False),
+        ("127.0.0.2", False),
+        ("*", True),
+        ("0.0.0.0", True),
+        ("10.1.2.3", True),
+        ("node7", True),
+    ):
         assert curve_enabled(TransportConfig(scheme="tcp", host=host)) is on, host
     assert curve_enabled(TransportConfig(curve="on"))  # forced, even on ipc
     ctx = zmq.Context()

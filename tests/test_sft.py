@@ -72,12 +72,22 @@ def test_latest_checkpoint_ignores_incomplete_writes(tmp_path):
 def test_launcher_runs_tiny_sft(tmp_path, ranks):
     run_dir = tmp_path / "run"
     cmd = [
-        sys.executable, "launch/local.py", "experiments/tiny_sft.py",
-        f"run_dir={run_dir}", f"model.path={tmp_path / 'model'}", f"sft.export_dir={tmp_path / 'hf'}",
-        f"trainer.num_ranks={ranks}", "sft.max_steps=4", "sft.batch_size=16",
-        "eval.every_steps=2", "eval.num_examples=8", "task.train_size=300",
-        "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.intermediate_size=64",
-    ]  # fmt: skip
+        sys.executable,
+        "launch/local.py",
+        "experiments/tiny_sft.py",
+        f"run_dir={run_dir}",
+        f"model.path={tmp_path / 'model'}",
+        f"sft.export_dir={tmp_path / 'hf'}",
+        f"trainer.num_ranks={ranks}",
+        "sft.max_steps=4",
+        "sft.batch_size=16",
+        "eval.every_steps=2",
+        "eval.num_examples=8",
+        "task.train_size=300",
+        "model.tiny.hidden_size=32",
+        "model.tiny.num_layers=1",
+        "model.tiny.intermediate_size=64",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())

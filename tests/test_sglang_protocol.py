@@ -60,8 +60,12 @@ def server(request, tiny_model_dir, tmp_path_factory):
     kind, port = request.param, free_port()
     log_path = tmp_path_factory.mktemp("server") / f"{kind}.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(server_command(kind, tiny_model_dir, port), stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            server_command(kind, tiny_model_dir, port),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc, log_path, timeout=120 if kind == "embedded" else 600)
     yield Server(kind, url, tiny_model_dir, 1e-4 if kind == "embedded" else 5e-2)
@@ -101,8 +105,11 @@ def test_health_and_model_info(server):
 def test_generate_stops_at_max_new_tokens_or_eos(server, tokenizer, prompt):
     async def test(api: Api) -> None:
         for i in range(6):  # at temperature 1 the tiny model emits EOS now and then
-            body = {"input_ids": prompt, "rid": f"sample-{i}",
-                    "sampling_params": {"max_new_tokens": 8, "temperature": 1.0}}  # fmt: skip
+            body = {
+                "input_ids": prompt,
+                "rid": f"sample-{i}",
+                "sampling_params": {"max_new_tokens": 8, "temperature": 1.0},
+            }
             out = await api.generate(body)
             assert out["meta_info"]["id"] == f"sample-{i}"
             check_response(out, prompt, tokenizer, 8)
@@ -115,8 +122,17 @@ def test_stop_token_ids_finish_with_the_matched_token(server, tokenizer, prompt)
         free = (await api.generate(greedy(prompt, 12)))["output_ids"]
         stop = free[4]
         cut = free.index(stop) + 1
-        out = await api.generate(greedy(prompt, 12, sampling_params={
-            "max_new_tokens": 12, "temperature": 0.0, "stop_token_ids": [stop]}))  # fmt: skip
+        out = await api.generate(
+            greedy(
+                prompt,
+                12,
+                sampling_params={
+                    "max_new_tokens": 12,
+                    "temperature": 0.0,
+                    "stop_token_ids": [stop],
+                },
+            )
+        )
         assert out["output_ids"] == free[:cut]
         assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
         assert out["text"] == tokenizer.decode(free[: cut - 1], skip_special_tokens=True)
@@ -148,8 +164,11 @@ def test_stream_is_cumulative_and_equals_the_non_streamed_result(server, prompt)
 def test_logprobs_equal_a_transformers_forward(server, prompt, temperature):
     """One ``[logprob, token_id, None]`` per output token, equal to
     ``log_softmax(logits / T)`` of a transformers forward (T = 1 when greedy)."""
-    body = {"input_ids": prompt, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 10, "temperature": temperature}}  # fmt: skip
+    body = {
+        "input_ids": prompt,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 10, "temperature": temperature},
+    }
     out = {}
 
     async def test(api: Api) -> None:
@@ -177,8 +196,9 @@ def test_abort_mid_stream_returns_the_tokens_so_far(server, prompt):
         await api.post("/slow_down", {"forward_sleep_time": 0.05})
         try:
             events: list = []
-            task = asyncio.create_task(collect(api.stream(greedy(prompt, 60, rid="doomed",
-                                                                 return_logprob=True)), events))  # fmt: skip
+            task = asyncio.create_task(
+                collect(api.stream(greedy(prompt, 60, rid="doomed", return_logprob=True)), events)
+            )
             await until(lambda: len(events) >= 3)
             if server.kind == "embedded":  # a rid in flight cannot be reused
                 status, err = await api.post("/generate", greedy(prompt, 2, rid="doomed"))
@@ -320,13 +340,23 @@ BAD_SAMPLING = [
         ("prompt-type", {"input_ids": "abc"}, "input_ids", True),
         ("token-out-of-vocab", {"input_ids": [10**6]}, "input_ids", True),
         ("batch", {"input_ids": [[5, 6], [7, 8]]}, "input_ids", False),
-        ("sampling-params-type", {"input_ids": [5], "sampling_params": "hot"}, "sampling_params", True),
+        (
+            "sampling-params-type",
+            {"input_ids": [5], "sampling_params": "hot"},
+            "sampling_params",
+            True,
+        ),
         ("unknown-param", {"input_ids": [5], "sampling_params": {"warmth": 1}}, "warmth", False),
-        ("too-long", {"input_ids": [5] * 20, "sampling_params": {"max_new_tokens": 200}}, "max_new_tokens", True),
+        (
+            "too-long",
+            {"input_ids": [5] * 20, "sampling_params": {"max_new_tokens": 200}},
+            "max_new_tokens",
+            True,
+        ),
         ("not-json", b"{oops", "JSON", True),
     ]
     + [(f"bad-{f}", {"input_ids": [5], "sampling_params": p}, f, s) for f, p, s in BAD_SAMPLING],
-)  # fmt: skip
+)
 def test_bad_request_is_a_400_naming_the_field(server, prompt, name, body, field, sglang_too):
     if server.kind != "embedded" and not sglang_too:
         pytest.skip("sglang accepts this request (or does not answer it with a 400)")
@@ -346,8 +376,11 @@ def test_bad_request_is_a_400_naming_the_field(server, prompt, name, body, field
 
 def test_concurrent_requests_all_complete_batched(server, tokenizer, prompt):
     async def one(api: Api, i: int) -> dict:
-        body = {"input_ids": prompt + [5 + i % 7], "rid": f"many-{i}",
-                "sampling_params": {"max_new_tokens": 16, "temperature": 1.0}}  # fmt: skip
+        body = {
+            "input_ids": prompt + [5 + i % 7],
+            "rid": f"many-{i}",
+            "sampling_params": {"max_new_tokens": 16, "temperature": 1.0},
+        }
         if i % 2:
             events = [e async for e in api.stream(body)]
             return events[-1]
@@ -385,8 +418,11 @@ def test_responses_carry_one_version_per_token(server, prompt):
 
 def test_finite_and_nonpositive_logprobs_when_sampling(server, prompt):
     async def test(api: Api) -> None:
-        body = {"input_ids": prompt, "return_logprob": True,
-                "sampling_params": {"max_new_tokens": 16, "temperature": 1.3, "top_p": 0.9, "top_k": 8}}  # fmt: skip
+        body = {
+            "input_ids": prompt,
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 16, "temperature": 1.3, "top_p": 0.9, "top_k": 8},
+        }
         for _ in range(3):
             out = await api.generate(body)
             entries = out["meta_info"]["output_token_logprobs"]

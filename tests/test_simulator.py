@@ -23,17 +23,40 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def small_config(**kw) -> SimConfig:
-    base = dict(cores=64, duration_s=30.0, eval_every=0, prompts_per_batch=4, samples_per_prompt=2,
-                engine_slots=8, max_new_tokens=16, max_staleness=2, dynamic_sampling=False)  # fmt: skip
+    base = dict(
+        cores=64,
+        duration_s=30.0,
+        eval_every=0,
+        prompts_per_batch=4,
+        samples_per_prompt=2,
+        engine_slots=8,
+        max_new_tokens=16,
+        max_staleness=2,
+        dynamic_sampling=False,
+    )
     return SimConfig(**{**base, **kw})
 
 
 def small_params(**kw) -> SimParams:
-    base = dict(decode_fixed_s=0.002, decode_per_seq_s=0.0005, prefill_per_token_s=0.0,
-                recompute_per_token_s=0.0, flip_fixed_s=0.0, message_s=0.001, weight_sync_s=0.0,
-                train_per_token_s=1e-3, train_fixed_s=0.0, prep_per_token_s=2e-4, publish_s=0.005,
-                eval_s=0.0, completion_lengths={4: 1.0, 6: 1.0}, prompt_lengths={10: 1.0},
-                filter_schedule=[(0, 0.0)], gen_parallel_fraction=0.0, train_parallel_fraction=0.0)  # fmt: skip
+    base = dict(
+        decode_fixed_s=0.002,
+        decode_per_seq_s=0.0005,
+        prefill_per_token_s=0.0,
+        recompute_per_token_s=0.0,
+        flip_fixed_s=0.0,
+        message_s=0.001,
+        weight_sync_s=0.0,
+        train_per_token_s=1e-3,
+        train_fixed_s=0.0,
+        prep_per_token_s=2e-4,
+        publish_s=0.005,
+        eval_s=0.0,
+        completion_lengths={4: 1.0, 6: 1.0},
+        prompt_lengths={10: 1.0},
+        filter_schedule=[(0, 0.0)],
+        gen_parallel_fraction=0.0,
+        train_parallel_fraction=0.0,
+    )
     return SimParams(**{**base, **kw})
 
 
@@ -81,9 +104,15 @@ def test_admission_matches_the_real_buffer_step_by_step():
     """The same script of leases, finishes (kept or filtered), consumption and versions
     through ``RolloutBuffer`` and ``SimBuffer``: the same prompts leased at every point."""
     B, n, eta = 2, 2, 1
-    real = RolloutBuffer(BufferConfig(prompts_per_batch=B, samples_per_prompt=n, max_staleness=eta,
-                                      dynamic_sampling=True), "run", lambda pos: (pos, [1, 2, 3]),
-                         lambda prompt_id, tokens, reason: float(tokens[0]), SamplingSpec())  # fmt: skip
+    real = RolloutBuffer(
+        BufferConfig(
+            prompts_per_batch=B, samples_per_prompt=n, max_staleness=eta, dynamic_sampling=True
+        ),
+        "run",
+        lambda pos: (pos, [1, 2, 3]),
+        lambda prompt_id, tokens, reason: float(tokens[0]),
+        SamplingSpec(),
+    )
     params = small_params(filter_schedule=[(0, 0.0)])
     cfg = small_config(
         prompts_per_batch=B, samples_per_prompt=n, max_staleness=eta, dynamic_sampling=True
@@ -102,9 +131,20 @@ def test_admission_matches_the_real_buffer_step_by_step():
         for j in range(n):
             lease_ = real_leases[i * n + j]
             token = j if keep else 1  # distinct rewards keep a group, equal ones filter it
-            real.on_chunk(Chunk(run_id="run", worker_id="g0", lease_id=lease_.lease_id, seq=0,
-                                token_ids=[token], logprobs=[0.0], versions=[version], finished=True,
-                                finish_reason="eos"), 0.0)  # fmt: skip
+            real.on_chunk(
+                Chunk(
+                    run_id="run",
+                    worker_id="g0",
+                    lease_id=lease_.lease_id,
+                    seq=0,
+                    token_ids=[token],
+                    logprobs=[0.0],
+                    versions=[version],
+                    finished=True,
+                    finish_reason="eos",
+                ),
+                0.0,
+            )
             sample = sim_leases[i * n + j]
             sample.first_version = version
             sim.finish(sample)
@@ -170,10 +210,21 @@ def test_simulation_is_deterministic_for_a_seed():
 
 def test_colocated_throughput_is_the_serial_sum_of_its_phases():
     L, prompt, B, n = 5, 10, 4, 2  # all B·n samples fit the slots: one wave of L engine steps
-    params = small_params(completion_lengths={L: 1.0}, prompt_lengths={prompt: 1.0},
-                          prefill_per_token_s=1e-4, eval_s=0.05)  # fmt: skip
-    cfg = small_config(placement="colocated", max_staleness=0, prompts_per_batch=B, samples_per_prompt=n,
-                       engine_slots=B * n, eval_every=2, duration_s=60.0)  # fmt: skip
+    params = small_params(
+        completion_lengths={L: 1.0},
+        prompt_lengths={prompt: 1.0},
+        prefill_per_token_s=1e-4,
+        eval_s=0.05,
+    )
+    cfg = small_config(
+        placement="colocated",
+        max_staleness=0,
+        prompts_per_batch=B,
+        samples_per_prompt=n,
+        engine_slots=B * n,
+        eval_every=2,
+        duration_s=60.0,
+    )
     tokens = B * n * (prompt + L)
     p = params
     generate = (
@@ -191,21 +242,45 @@ def test_colocated_throughput_is_the_serial_sum_of_its_phases():
 
 
 # ---- calibration -----------------------------------------------------------------------
-KNOWN = dict(train_per_token=4e-4, train_fixed=0.2, prep_per_token=1e-4, publish=0.003, eval_extra=0.5,
-             decode_fixed=0.004, decode_per_seq=3e-4, flip_extra=0.06, stage=0.02, completion=5.0,
-             prompt=20.0)  # fmt: skip
+KNOWN = dict(
+    train_per_token=4e-4,
+    train_fixed=0.2,
+    prep_per_token=1e-4,
+    publish=0.003,
+    eval_extra=0.5,
+    decode_fixed=0.004,
+    decode_per_seq=3e-4,
+    flip_extra=0.06,
+    stage=0.02,
+    completion=5.0,
+    prompt=20.0,
+)
 
 
 def write_run(run_dir: Path, by_batch: dict | None = None) -> None:
     """A run directory whose figures follow ``KNOWN`` exactly."""
     k, B, n = KNOWN, 8, 4
     run_dir.mkdir(parents=True)
-    config = {"placement": "async", "num_generators": 1, "time_limit_s": 100.0,
-              "buffer": {"prompts_per_batch": B, "samples_per_prompt": n, "max_staleness": 2,
-                         "dynamic_sampling": True},
-              "engine": {"max_slots": 32, "threads": 1, "max_prefill_tokens": 2048, "flip_policy": "recompute"},
-              "trainer": {"num_ranks": 1, "threads_per_rank": 1}, "sampling": {"max_new_tokens": 16},
-              "eval": {"every_steps": 5}}  # fmt: skip
+    config = {
+        "placement": "async",
+        "num_generators": 1,
+        "time_limit_s": 100.0,
+        "buffer": {
+            "prompts_per_batch": B,
+            "samples_per_prompt": n,
+            "max_staleness": 2,
+            "dynamic_sampling": True,
+        },
+        "engine": {
+            "max_slots": 32,
+            "threads": 1,
+            "max_prefill_tokens": 2048,
+            "flip_policy": "recompute",
+        },
+        "trainer": {"num_ranks": 1, "threads_per_rank": 1},
+        "sampling": {"max_new_tokens": 16},
+        "eval": {"every_steps": 5},
+    }
     (run_dir / "config.json").write_text(json.dumps(config))
     lines, t = [], 0.0
     for step in range(1, 41):
@@ -249,9 +324,17 @@ def write_run(run_dir: Path, by_batch: dict | None = None) -> None:
         )
     # filter share 0.2 over versions 0–25, then 0.4 over 25–50
     for version, filtered, kept in ((0, 0, 0), (25, 20, 80), (50, 60, 140)):
-        lines.append({"process": "buffer", "step": version, "time": float(version), "buffer/version": float(version),
-                      "buffer/groups_filtered": float(filtered), "buffer/groups_consumed": float(kept),
-                      "buffer/groups_stale": 0.0})  # fmt: skip
+        lines.append(
+            {
+                "process": "buffer",
+                "step": version,
+                "time": float(version),
+                "buffer/version": float(version),
+                "buffer/groups_filtered": float(filtered),
+                "buffer/groups_consumed": float(kept),
+                "buffer/groups_stale": 0.0,
+            }
+        )
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     (run_dir / "summary.json").write_text(json.dumps({"steps": 40, "train_time_s": t}))
     (run_dir / "buffer_counters.json").write_text(
@@ -259,9 +342,16 @@ def write_run(run_dir: Path, by_batch: dict | None = None) -> None:
             {"buffer/samples_scored": 1000.0, "buffer/tokens_received": 1000.0 * k["completion"]}
         )
     )
-    summary = {"update_steps": 20.0, "steady_step_ms_mean": 10.0, "weights_received": 10.0,
-               "update_step_ms_mean": 10.0 + 1000 * k["flip_extra"] * 10 / 20, "weight_stage_s": k["stage"],
-               "loop_s": 100.0, "idle_s": 10.0, "steps": 1000.0}  # fmt: skip
+    summary = {
+        "update_steps": 20.0,
+        "steady_step_ms_mean": 10.0,
+        "weights_received": 10.0,
+        "update_step_ms_mean": 10.0 + 1000 * k["flip_extra"] * 10 / 20,
+        "weight_stage_s": k["stage"],
+        "loop_s": 100.0,
+        "idle_s": 10.0,
+        "steps": 1000.0,
+    }
     if by_batch is not None:
         summary["steady_step_by_batch"] = by_batch
     (run_dir / "generator_g0_summary.json").write_text(json.dumps(summary))
@@ -336,9 +426,23 @@ def test_generator_stats_record_steady_steps_by_batch_size():
 # ---- the command line ------------------------------------------------------------------
 def test_cli_predict_and_sweep_end_with_one_json_line(tmp_path):
     write_run(tmp_path / "run")
-    proc = subprocess.run([sys.executable, "tools/simulate.py", "predict", "--calibrate", str(tmp_path / "run"),
-                           "max_staleness=0", "num_generators=2", "--cores", "4"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "tools/simulate.py",
+            "predict",
+            "--calibrate",
+            str(tmp_path / "run"),
+            "max_staleness=0",
+            "num_generators=2",
+            "--cores",
+            "4",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["config"]["max_staleness"] == 0 and result["config"]["num_generators"] == 2
@@ -346,10 +450,35 @@ def test_cli_predict_and_sweep_end_with_one_json_line(tmp_path):
         result["prediction"]["staleness_histogram"]
     ) == {"0"}
     out = tmp_path / "sweep.csv"
-    proc = subprocess.run([sys.executable, "tools/simulate.py", "sweep", "--gpus", "32", "--model-params", "1e9",
-                           "--response-mean", "64", "--response-max", "256", "--batch", "16", "--samples", "4",
-                           "--etas", "0,4", "--steps", "6", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "tools/simulate.py",
+            "sweep",
+            "--gpus",
+            "32",
+            "--model-params",
+            "1e9",
+            "--response-mean",
+            "64",
+            "--response-max",
+            "256",
+            "--batch",
+            "16",
+            "--samples",
+            "4",
+            "--etas",
+            "0,4",
+            "--steps",
+            "6",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     rows = out.read_text().splitlines()

@@ -35,10 +35,16 @@ from asyncrl.stages.common import ProcessSpec
 ROOT = Path(__file__).resolve().parents[1]
 # A short asynchronous run of the tiny model, as tests/test_rl_launch.py runs it locally.
 SHORT_RUN = [
-    "eval.every_steps=0", "task.train_size=200", "buffer.prompts_per_batch=2", "buffer.samples_per_prompt=4",
-    "buffer.dynamic_sampling=false", "engine.max_slots=8", "transport.heartbeat_s=0.2", "metrics.tensorboard=false",
+    "eval.every_steps=0",
+    "task.train_size=200",
+    "buffer.prompts_per_batch=2",
+    "buffer.samples_per_prompt=4",
+    "buffer.dynamic_sampling=false",
+    "engine.max_slots=8",
+    "transport.heartbeat_s=0.2",
+    "metrics.tensorboard=false",
     "num_generators=1",
-]  # fmt: skip
+]
 
 
 # ---- the supervisor (no Slurm) -------------------------------------------------------
@@ -113,9 +119,24 @@ def script_steps(script: str) -> dict[str, list[str]]:
 
 def four_node_dry_run(tmp_path: Path) -> tuple[str, Path]:
     run_dir = tmp_path / "run"
-    proc = dry_run("--gen-nodes", "2", "--train-nodes", "2", "--partition", "gpu", "--time", "0:30:00",
-                   "--account", "rl", "--gpus-per-node", "2", f"run_dir={run_dir}", f"model.path={tmp_path}",
-                   "num_generators=2", "trainer.num_ranks=4")  # fmt: skip
+    proc = dry_run(
+        "--gen-nodes",
+        "2",
+        "--train-nodes",
+        "2",
+        "--partition",
+        "gpu",
+        "--time",
+        "0:30:00",
+        "--account",
+        "rl",
+        "--gpus-per-node",
+        "2",
+        f"run_dir={run_dir}",
+        f"model.path={tmp_path}",
+        "num_generators=2",
+        "trainer.num_ranks=4",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout, run_dir
 
@@ -125,8 +146,17 @@ def test_dry_run_places_steps_on_generator_and_trainer_nodes(tmp_path):
     assert "submitted" not in script
     assert (run_dir / "slurm_job.sbatch").read_text() == script
     header = [line for line in script.splitlines() if line.startswith("#SBATCH")]
-    for want in ["--nodes=4", "--ntasks-per-node=1", "--exclusive", "--partition=gpu", "--time=0:30:00",
-                 "--account=rl", "--gpus-per-node=2", f"--output={run_dir}/slurm-%j.out", f"--chdir={ROOT}"]:  # fmt: skip
+    for want in [
+        "--nodes=4",
+        "--ntasks-per-node=1",
+        "--exclusive",
+        "--partition=gpu",
+        "--time=0:30:00",
+        "--account=rl",
+        "--gpus-per-node=2",
+        f"--output={run_dir}/slurm-%j.out",
+        f"--chdir={ROOT}",
+    ]:
         assert f"#SBATCH {want}" in header
     # Node lists come from the allocation when the job starts.
     assert 'mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")' in script
@@ -154,11 +184,22 @@ def test_dry_run_places_steps_on_generator_and_trainer_nodes(tmp_path):
     assert "--export=ALL,OMP_NUM_THREADS=1" in steps["generator_0"]
     trainer = steps["trainer"]
     assert trainer[1] == "final"
-    assert {"--nodes=2", "--ntasks-per-node=1", "--nodelist=$TRAIN_NODELIST", "--exact", "--gpus-per-task=2",
-            "--kill-on-bad-exit=1"} <= set(trainer)  # fmt: skip
+    assert {
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        "--nodelist=$TRAIN_NODELIST",
+        "--exact",
+        "--gpus-per-task=2",
+        "--kill-on-bad-exit=1",
+    } <= set(trainer)
     torchrun = trainer[next(i for i, w in enumerate(trainer) if w.endswith("torchrun")) :]
-    assert {"--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d", "--rdzv-endpoint=$TRAIN_HEAD:$RDZV_PORT",
-            "--rdzv-id=$SLURM_JOB_ID"} <= set(torchrun)  # fmt: skip
+    assert {
+        "--nnodes=2",
+        "--nproc-per-node=2",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=$TRAIN_HEAD:$RDZV_PORT",
+        "--rdzv-id=$SLURM_JOB_ID",
+    } <= set(torchrun)
     assert torchrun[-3:] == ["asyncrl.stages.rl", "--config", str(run_dir / "config.json")]
     # Processes on different nodes meet over TCP on every interface, through the run directory.
     config = json.loads((run_dir / "config.json").read_text())
@@ -236,14 +277,29 @@ def test_script_resolves_the_allocation_into_node_lists(
     supervisor prints the steps instead of starting them."""
     run_dir = tmp_path / "run"
     nodes = ["--nodes", "1"] if nodelist == "solo" else []
-    dry_run_here(capsys, "--gen-nodes", str(gen_nodes), "--train-nodes", str(train_nodes), *nodes,
-                 f"run_dir={run_dir}", f"model.path={tmp_path}", f"num_generators={gen_nodes}",
-                 f"trainer.num_ranks={2 * train_nodes}")  # fmt: skip
+    dry_run_here(
+        capsys,
+        "--gen-nodes",
+        str(gen_nodes),
+        "--train-nodes",
+        str(train_nodes),
+        *nodes,
+        f"run_dir={run_dir}",
+        f"model.path={tmp_path}",
+        f"num_generators={gen_nodes}",
+        f"trainer.num_ranks={2 * train_nodes}",
+    )
     env = dict(
         os.environ, SLURM_JOB_NODELIST=nodelist, SLURM_JOB_ID="4242", ASYNCRL_PRINT_STEPS="1"
     )
-    out = subprocess.run(["bash", str(run_dir / "slurm_job.sbatch")], env=env, capture_output=True, text=True,
-                         timeout=120, check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        ["bash", str(run_dir / "slurm_job.sbatch")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     steps = {s["name"]: s["argv"] for s in json.loads(out[out.index("[\n") :])}
     port = 10000 + 4242 % 20000
     if nodelist == "solo":  # one node: everything on it; its transport stays the experiment's (ipc)
@@ -266,8 +322,21 @@ def test_script_resolves_the_allocation_into_node_lists(
 
 def submit(tmp_path: Path, model_dir: str, *overrides: str) -> tuple[str, Path]:
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "launch/slurm.py", "experiments/tiny_grpo.py", "--gen-nodes", "1", "--train-nodes", "1",
-           "--nodes", "1", f"run_dir={run_dir}", f"model.path={model_dir}", *SHORT_RUN, *overrides]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "launch/slurm.py",
+        "experiments/tiny_grpo.py",
+        "--gen-nodes",
+        "1",
+        "--train-nodes",
+        "1",
+        "--nodes",
+        "1",
+        f"run_dir={run_dir}",
+        f"model.path={model_dir}",
+        *SHORT_RUN,
+        *overrides,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job = re.search(r"submitted batch job (\d+); run directory (\S+);", proc.stdout)
@@ -365,13 +434,19 @@ def test_killed_generator_restarts_and_scancel_stops_everything(
         wait_for(lambda: trained_steps(run_dir), 120, "a trained step")
 
         def generators() -> list[int]:
-            return [pid for pid, cmd in processes_of(run_dir) if "asyncrl.generator.worker" in cmd
-                    and not cmd.startswith("srun")]  # fmt: skip
+            return [
+                pid
+                for pid, cmd in processes_of(run_dir)
+                if "asyncrl.generator.worker" in cmd and not cmd.startswith("srun")
+            ]
 
         (first,) = generators()
         os.kill(first, signal.SIGKILL)
-        wait_for(lambda: "generator_0 exited with code 137; restart 1" in job_output(run_dir, job), 60,
-                 "the restart")  # fmt: skip
+        wait_for(
+            lambda: "generator_0 exited with code 137; restart 1" in job_output(run_dir, job),
+            60,
+            "the restart",
+        )
         wait_for(lambda: [p for p in generators() if p != first], 60, "the restarted generator")
     finally:
         subprocess.run(["scancel", job], check=True)

@@ -15,10 +15,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def tiny(model_dir: str) -> list[str]:
     return [
-        f"model.path={model_dir}", "rl.max_steps=2", "eval.every_steps=1", "eval.num_examples=8",
-        "task.train_size=200", "task.eval_size=20", "task.rl_split=train", "buffer.prompts_per_batch=2",
-        "buffer.samples_per_prompt=2", "engine.max_slots=8", "metrics.tensorboard=false",
-    ]  # fmt: skip
+        f"model.path={model_dir}",
+        "rl.max_steps=2",
+        "eval.every_steps=1",
+        "eval.num_examples=8",
+        "task.train_size=200",
+        "task.eval_size=20",
+        "task.rl_split=train",
+        "buffer.prompts_per_batch=2",
+        "buffer.samples_per_prompt=2",
+        "engine.max_slots=8",
+        "metrics.tensorboard=false",
+    ]
 
 
 def run_tool(args: list[str]) -> dict:
@@ -31,8 +39,17 @@ def run_tool(args: list[str]) -> dict:
 
 def test_staleness_study(tmp_path, tiny_model_dir):
     out = tmp_path / "staleness"
-    args = ["tools/staleness_study.py", "--etas", "0,1", "--time-limit", "0", "--out", str(out),
-            "--set", *tiny(tiny_model_dir)]  # fmt: skip
+    args = [
+        "tools/staleness_study.py",
+        "--etas",
+        "0,1",
+        "--time-limit",
+        "0",
+        "--out",
+        str(out),
+        "--set",
+        *tiny(tiny_model_dir),
+    ]
     result = run_tool(args)
     runs = {(r["eta"], r["decoupled"]) for r in result["runs"]}
     assert runs == {("0", True), ("1", True), ("1", False)}  # η = 0 runs once
@@ -56,8 +73,21 @@ def test_staleness_study(tmp_path, tiny_model_dir):
 
 def test_throughput_study(tmp_path, tiny_model_dir):
     out = tmp_path / "throughput"
-    result = run_tool(["tools/throughput_study.py", "--time-limit", "0", "--sweep-time-limit", "0",
-                       "--target", "0.0", "--out", str(out), "--set", *tiny(tiny_model_dir)])  # fmt: skip
+    result = run_tool(
+        [
+            "tools/throughput_study.py",
+            "--time-limit",
+            "0",
+            "--sweep-time-limit",
+            "0",
+            "--target",
+            "0.0",
+            "--out",
+            str(out),
+            "--set",
+            *tiny(tiny_model_dir),
+        ]
+    )
     for mode in ("async", "sync", "colocated"):
         # target 0: the first evaluation reaches it, at the start of the trainer's clock
         assert result[f"{mode}_s_to_target"] is not None and result[f"{mode}_s_to_target"] < 60
@@ -73,8 +103,16 @@ def test_compare_policies_pairs_the_problems(tiny_model_dir):
 
     assert sign_test(0, 5) == 2 / 32 and sign_test(3, 3) == 1.0 and sign_test(0, 0) == 1.0
     assert abs(sign_test(1, 9) - 2 * 11 / 1024) < 1e-12
-    figures = run_tool(["tools/compare_policies.py", "experiments/tiny_grpo.py", tiny_model_dir,
-                        tiny_model_dir, "--eval-size", "30"])  # fmt: skip
+    figures = run_tool(
+        [
+            "tools/compare_policies.py",
+            "experiments/tiny_grpo.py",
+            tiny_model_dir,
+            tiny_model_dir,
+            "--eval-size",
+            "30",
+        ]
+    )
     assert 0 < figures["problems"] <= 30
     assert figures["accuracy_a"] == figures["accuracy_b"]
     assert figures["b_right_a_wrong"] == figures["a_right_b_wrong"] == 0

@@ -72,8 +72,9 @@ def test_the_scalar_head_gets_its_own_learning_rate(dist_info, tiny_model_dir):
     def step() -> dict[str, float]:
         before = {n: p.detach().clone() for n, p in core.model.named_parameters()}
         core.train_step(mbs, lambda head, mb: ((head[..., 0] * mb.loss_mask).sum(), {}))
-        return {n: (p.detach() - before[n]).abs().max().item()
-                for n, p in core.model.named_parameters()}  # fmt: skip
+        return {
+            n: (p.detach() - before[n]).abs().max().item() for n, p in core.model.named_parameters()
+        }
 
     first, second = step(), step()
     assert first["score.weight"] == pytest.approx(1e-2, rel=1e-3)

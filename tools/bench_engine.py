@@ -47,8 +47,13 @@ def log_uniform(rng: random.Random, lo: int, hi: int) -> int:
 
 def make_requests(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
-    return [([rng.randrange(3, vocab) for _ in range(log_uniform(rng, 4, 200))], log_uniform(rng, 4, 200))
-            for _ in range(n)]  # fmt: skip
+    return [
+        (
+            [rng.randrange(3, vocab) for _ in range(log_uniform(rng, 4, 200))],
+            log_uniform(rng, 4, 200),
+        )
+        for _ in range(n)
+    ]
 
 
 def engine_throughput(model_dir: str, requests, concurrency: int, share: bool = True) -> float:
@@ -148,7 +153,17 @@ def main() -> None:
             build_tiny_model(Path(tempfile.mkdtemp()) / "tiny", alphabet, TinyModelConfig())
         )
     vocab = load_model(ModelConfig(path=model_dir)).config.vocab_size
-    names = ["engine", "hf", "speedup", "shared", "each", "share_speedup", "steady", "keep", "recompute"]  # fmt: skip
+    names = [
+        "engine",
+        "hf",
+        "speedup",
+        "shared",
+        "each",
+        "share_speedup",
+        "steady",
+        "keep",
+        "recompute",
+    ]
     figures: dict[str, list[float]] = {k: [] for k in names}
     for run in range(args.runs):
         requests = make_requests(args.requests, vocab, seed=run)
@@ -179,21 +194,25 @@ def main() -> None:
             file=sys.stderr,
         )
     med = {k: statistics.median(v) for k, v in figures.items()}
-    print(json.dumps({
-        "engine_tokens_per_s": round(med["engine"], 1),
-        "hf_tokens_per_s": round(med["hf"], 1),
-        "speedup": round(med["speedup"], 3),
-        "grouped_shared_tokens_per_s": round(med["shared"], 1),
-        "grouped_each_tokens_per_s": round(med["each"], 1),
-        "share_prefill_speedup": round(med["share_speedup"], 3),
-        "group": args.group,
-        "step_ms_p99_flipping": round(med["keep"], 3),
-        "step_ms_p99_steady": round(med["steady"], 3),
-        "step_ms_p99_flipping_recompute": round(med["recompute"], 3),
-        "runs": args.runs,
-        "concurrency": args.concurrency,
-        "threads": args.threads,
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "engine_tokens_per_s": round(med["engine"], 1),
+                "hf_tokens_per_s": round(med["hf"], 1),
+                "speedup": round(med["speedup"], 3),
+                "grouped_shared_tokens_per_s": round(med["shared"], 1),
+                "grouped_each_tokens_per_s": round(med["each"], 1),
+                "share_prefill_speedup": round(med["share_speedup"], 3),
+                "group": args.group,
+                "step_ms_p99_flipping": round(med["keep"], 3),
+                "step_ms_p99_steady": round(med["steady"], 3),
+                "step_ms_p99_flipping_recompute": round(med["recompute"], 3),
+                "runs": args.runs,
+                "concurrency": args.concurrency,
+                "threads": args.threads,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

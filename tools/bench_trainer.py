@@ -103,8 +103,11 @@ def main() -> None:
 
     grouped = args.group_size > 1
     # name -> (layout, share_prefix)
-    layouts = ({"shared": ("packed", True), "packed": ("packed", False)} if grouped
-               else {"packed": ("packed", False), "padded": ("padded", False)})  # fmt: skip
+    layouts = (
+        {"shared": ("packed", True), "packed": ("packed", False)}
+        if grouped
+        else {"packed": ("packed", False), "padded": ("padded", False)}
+    )
     group = args.group_size if grouped else 1
     rates: dict[str, list[float]] = {name: [] for name in layouts}
     batches = [

@@ -111,17 +111,37 @@ def encode_chunks(worker_id: str, lease_ids: list[str], n: int, tokens: int) -> 
     token_ids = [3 + j % 50 for j in range(tokens)]
     logprobs = [-0.5 - j / 100 for j in range(tokens)]
     versions = [0] * tokens
-    return [encode(Chunk(run_id=RUN_ID, worker_id=worker_id, lease_id=lease_ids[i % len(lease_ids)],
-                         seq=i // len(lease_ids), token_ids=token_ids, logprobs=logprobs,
-                         versions=versions))
-            for i in range(n)]  # fmt: skip
+    return [
+        encode(
+            Chunk(
+                run_id=RUN_ID,
+                worker_id=worker_id,
+                lease_id=lease_ids[i % len(lease_ids)],
+                seq=i // len(lease_ids),
+                token_ids=token_ids,
+                logprobs=logprobs,
+                versions=versions,
+            )
+        )
+        for i in range(n)
+    ]
 
 
 def finished_chunk(worker_id: str, lease_id: str) -> bytes:
     """A lease's only chunk: one token, finished (the sample then gets scored)."""
-    return encode(Chunk(run_id=RUN_ID, worker_id=worker_id, lease_id=lease_id, seq=0,
-                        token_ids=[3], logprobs=[-1.0], versions=[0], finished=True,
-                        finish_reason="stop"))  # fmt: skip
+    return encode(
+        Chunk(
+            run_id=RUN_ID,
+            worker_id=worker_id,
+            lease_id=lease_id,
+            seq=0,
+            token_ids=[3],
+            logprobs=[-1.0],
+            versions=[0],
+            finished=True,
+            finish_reason="stop",
+        )
+    )
 
 
 def sender_main(conn: Connection, worker_id: str) -> None:
@@ -157,11 +177,20 @@ def write_rollout_config(run_dir: Path, model_dir: Path, samples_per_prompt: int
     from asyncrl.tasks import TaskConfig
 
     # Unbounded admission; nothing expires mid-run (the bench holds leases without heartbeats).
-    buffer = BufferConfig(prompts_per_batch=1, samples_per_prompt=samples_per_prompt,
-                          max_staleness=None, lease_timeout_s=3600.0,
-                          heartbeat_timeout_s=3600.0)  # fmt: skip
-    cfg = RolloutConfig(run_dir=str(run_dir), run_id=RUN_ID, model=ModelConfig(path=str(model_dir)),
-                        task=TaskConfig(train_size=2000, eval_size=10), buffer=buffer)  # fmt: skip
+    buffer = BufferConfig(
+        prompts_per_batch=1,
+        samples_per_prompt=samples_per_prompt,
+        max_staleness=None,
+        lease_timeout_s=3600.0,
+        heartbeat_timeout_s=3600.0,
+    )
+    cfg = RolloutConfig(
+        run_dir=str(run_dir),
+        run_id=RUN_ID,
+        model=ModelConfig(path=str(model_dir)),
+        task=TaskConfig(train_size=2000, eval_size=10),
+        buffer=buffer,
+    )
     path = run_dir / "rollout.json"
     save_json(cfg, path)
     return path
@@ -199,14 +228,23 @@ def stop_server(server: subprocess.Popen, run_dir: Path) -> dict[str, float]:
 
 
 def check_counters(counts: dict[str, float], expected_tokens: int) -> None:
-    bad = {k: v for k, v in counts.items()
-           if v and ("bad_frames" in k or k.startswith("buffer/chunks_"))}  # fmt: skip
+    bad = {
+        k: v
+        for k, v in counts.items()
+        if v and ("bad_frames" in k or k.startswith("buffer/chunks_"))
+    }
     if counts.get("buffer/tokens_received") != expected_tokens or bad:
         raise RuntimeError(f"the buffer did not ingest every chunk cleanly: {counts}")
 
 
-def chunk_run(args: argparse.Namespace, run_dir: Path, model_dir: Path, senders: list[Connection],
-              children: list, profile_to: Path | None = None) -> dict[str, float]:  # fmt: skip
+def chunk_run(
+    args: argparse.Namespace,
+    run_dir: Path,
+    model_dir: Path,
+    senders: list[Connection],
+    children: list,
+    profile_to: Path | None = None,
+) -> dict[str, float]:
     """One run against a fresh server; returns chunks/s and the senders' own push time."""
     run_dir.mkdir(parents=True)
     samples = args.samples_per_prompt  # size of the warm-up and the sentinel group
@@ -221,10 +259,16 @@ def chunk_run(args: argparse.Namespace, run_dir: Path, model_dir: Path, senders:
         sentinels = leases[samples:]
         per_sender = args.chunks // len(senders)
         for i, conn in enumerate(senders):
-            conn.send({"leases_endpoint": endpoints["leases"],
-                       "chunks_endpoint": endpoints["chunks"],
-                       "leases": args.leases, "chunks": per_sender, "tokens": args.chunk_tokens,
-                       "sentinels": sentinels[i :: len(senders)]})  # fmt: skip
+            conn.send(
+                {
+                    "leases_endpoint": endpoints["leases"],
+                    "chunks_endpoint": endpoints["chunks"],
+                    "leases": args.leases,
+                    "chunks": per_sender,
+                    "tokens": args.chunk_tokens,
+                    "sentinels": sentinels[i :: len(senders)],
+                }
+            )
         for conn in senders:
             expect(conn, "ready")
         trainer.send(encode(BatchRequest(run_id=RUN_ID, step=1, rank=0, world_size=1)))
@@ -245,8 +289,11 @@ def chunk_run(args: argparse.Namespace, run_dir: Path, model_dir: Path, senders:
     if len(batch.samples) != samples:
         raise RuntimeError(f"sentinel batch has {len(batch.samples)} samples, expected {samples}")
     start = min(r["start"] for r in reports)
-    return {"chunks_per_s": per_sender * len(senders) / (end - start),
-            "send_s": max(r["sent"] for r in reports) - start, "total_s": end - start}  # fmt: skip
+    return {
+        "chunks_per_s": per_sender * len(senders) / (end - start),
+        "send_s": max(r["sent"] for r in reports) - start,
+        "total_s": end - start,
+    }
 
 
 def warm_up(ctx: zmq.Context, chunks_endpoint: str, trainer: zmq.Socket, leases: list[str]) -> None:
@@ -291,8 +338,11 @@ def top_costs(profile: Path, count: int = 12) -> dict[str, Any]:
     busy, and ``[function, calls, own seconds, share of busy]`` for the costliest."""
     stats = pstats.Stats(str(profile), stream=io.StringIO()).stats
     total = max(ct for (_, _, name), (_, _, _, ct, _) in stats.items() if name == "serve")
-    idle = sum(tt for (path, _, name), (_, _, tt, _, _) in stats.items()
-               if name == "poll" and path.endswith("zmq/sugar/poll.py"))  # fmt: skip
+    idle = sum(
+        tt
+        for (path, _, name), (_, _, tt, _, _) in stats.items()
+        if name == "poll" and path.endswith("zmq/sugar/poll.py")
+    )
     busy = total - idle
     rows = []
     for (path, line, name), (_, calls, tottime, _, _) in stats.items():
@@ -300,8 +350,12 @@ def top_costs(profile: Path, count: int = 12) -> dict[str, Any]:
             where = f"{Path(path).name}:{line}({name})" if line else name
             rows.append([where, calls, round(tottime, 3), round(tottime / busy, 3)])
     rows.sort(key=lambda row: -row[2])
-    return {"serve_s": round(total, 3), "idle_s": round(idle, 3), "busy_s": round(busy, 3),
-            "top": rows[:count]}  # fmt: skip
+    return {
+        "serve_s": round(total, 3),
+        "idle_s": round(idle, 3),
+        "busy_s": round(busy, 3),
+        "top": rows[:count],
+    }
 
 
 # ---- weights subscribers (child processes) ---------------------------------------------
@@ -330,8 +384,9 @@ def subscriber_main(index: int, pub_endpoint: str, report_endpoint: str) -> None
             tensors = decode_tensors(announce, [f.buffer for f in frames[1:]])
             done = time.monotonic()
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-            report.send_json({"subscriber": index, "version": announce.version, "time": done,
-                              "bytes": nbytes})  # fmt: skip
+            report.send_json(
+                {"subscriber": index, "version": announce.version, "time": done, "bytes": nbytes}
+            )
             del tensors, frames
     finally:
         ctx.destroy(linger=0)
@@ -350,14 +405,18 @@ def weights_runs(args: argparse.Namespace, work: Path, children: list) -> tuple[
         pull = make_socket(ctx, zmq.PULL, transport)
         endpoints = [bind(pub, transport, work, "weights"), bind(pull, transport, work, "reports")]
         spawn = mp.get_context("spawn")
-        procs = [spawn.Process(target=subscriber_main, args=(i, *endpoints), daemon=True)
-                 for i in range(args.subscribers)]  # fmt: skip
+        procs = [
+            spawn.Process(target=subscriber_main, args=(i, *endpoints), daemon=True)
+            for i in range(args.subscribers)
+        ]
         for proc in procs:
             proc.start()
             children.append(proc)
         handshake(pub, pull, args.subscribers)
-        seconds = [broadcast(pub, pull, state, version, args.subscribers)
-                   for version in range(1, args.weights_warmup + args.runs + 1)]  # fmt: skip
+        seconds = [
+            broadcast(pub, pull, state, version, args.subscribers)
+            for version in range(1, args.weights_warmup + args.runs + 1)
+        ]
         pub.send_multipart([encode(WeightsAnnounce(run_id=RUN_ID, version=STOP, tensors=[]))])
         for proc in procs:
             proc.join(timeout=10)
@@ -439,13 +498,16 @@ def run_chunks(args: argparse.Namespace, work: Path, children: list) -> dict[str
         procs[-1].start()
         children.append(procs[-1])
         senders.append(ours)
-    runs = [chunk_run(args, work / f"chunks{r}", model_dir, senders, children)
-            for r in range(args.runs)]  # fmt: skip
+    runs = [
+        chunk_run(args, work / f"chunks{r}", model_dir, senders, children) for r in range(args.runs)
+    ]
     median = statistics.median(r["chunks_per_s"] for r in runs)
-    out: dict[str, Any] = {"chunks_per_s": round(median),
-                           "chunks_per_s_runs": [round(r["chunks_per_s"]) for r in runs],
-                           "chunk_send_s_runs": [round(r["send_s"], 3) for r in runs],
-                           "chunk_total_s_runs": [round(r["total_s"], 3) for r in runs]}  # fmt: skip
+    out: dict[str, Any] = {
+        "chunks_per_s": round(median),
+        "chunks_per_s_runs": [round(r["chunks_per_s"]) for r in runs],
+        "chunk_send_s_runs": [round(r["send_s"], 3) for r in runs],
+        "chunk_total_s_runs": [round(r["total_s"], 3) for r in runs],
+    }
     if args.profile == "always" or (args.profile == "auto" and median < args.target):
         profile = work / "serve.prof"
         profiled = chunk_run(args, work / "profiled", model_dir, senders, children, profile)
@@ -472,11 +534,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensors", type=int, default=25, help="tensors in the state dict")
     parser.add_argument("--tensor-numel", type=int, default=1_000_000, help="float32s per tensor")
     parser.add_argument("--subscribers", type=int, default=2, help="weights subscriber processes")
-    parser.add_argument("--weights-warmup", type=int, default=1,
-                        help="broadcasts before the timed ones (first-touch page faults)")  # fmt: skip
+    parser.add_argument(
+        "--weights-warmup",
+        type=int,
+        default=1,
+        help="broadcasts before the timed ones (first-touch page faults)",
+    )
     parser.add_argument("--target", type=float, default=50_000, help="chunks/s goal")
-    parser.add_argument("--profile", choices=["auto", "always", "never"], default="auto",
-                        help="profile the server in an extra run (auto: below --target)")  # fmt: skip
+    parser.add_argument(
+        "--profile",
+        choices=["auto", "always", "never"],
+        default="auto",
+        help="profile the server in an extra run (auto: below --target)",
+    )
     parser.add_argument("--skip", choices=["chunks", "weights"], action="append", default=[])
     parser.add_argument("--serve-profiled", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -493,14 +563,22 @@ def main(argv: list[str] | None = None) -> int:
                 result |= run_chunks(args, Path(tmp), children)
             if "weights" not in args.skip:
                 rates, nbytes = weights_runs(args, Path(tmp), children)
-                result |= {"weights_gb_per_s": round(statistics.median(rates), 3),
-                           "weights_gb_per_s_runs": [round(r, 3) for r in rates],
-                           "weights_bytes": nbytes}  # fmt: skip
+                result |= {
+                    "weights_gb_per_s": round(statistics.median(rates), 3),
+                    "weights_gb_per_s_runs": [round(r, 3) for r in rates],
+                    "weights_bytes": nbytes,
+                }
         finally:
             cleanup(children)
-    result |= {"chunks": args.chunks, "chunk_tokens": args.chunk_tokens, "senders": args.senders,
-               "leases_per_sender": args.leases, "subscribers": args.subscribers,
-               "runs": args.runs, "wall_s": round(time.monotonic() - began, 1)}  # fmt: skip
+    result |= {
+        "chunks": args.chunks,
+        "chunk_tokens": args.chunk_tokens,
+        "senders": args.senders,
+        "leases_per_sender": args.leases,
+        "subscribers": args.subscribers,
+        "runs": args.runs,
+        "wall_s": round(time.monotonic() - began, 1),
+    }
     print(json.dumps(result))
     return 0
 

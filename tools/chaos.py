@@ -52,8 +52,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = {"buffer": "asyncrl.buffer.server", "generator": "asyncrl.generator.worker",
-           "trainer": "asyncrl.stages."}  # fmt: skip
+MODULES = {
+    "buffer": "asyncrl.buffer.server",
+    "generator": "asyncrl.generator.worker",
+    "trainer": "asyncrl.stages.",
+}
 """What ``-m`` a process of each role runs (the trainer's module is the stage's)."""
 GRACE_S = 60.0
 """After the time limit, for the final step and evaluation to land."""
@@ -62,7 +65,9 @@ OTHERS_FROM = 0.25
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--experiment", default="experiments/tiny_grpo.py")
     p.add_argument("--minutes", type=float, default=10.0, help="the run's time limit")
     p.add_argument("--generator-kills", type=int, default=12)
@@ -71,9 +76,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
     p.add_argument("--target", type=float, default=0.5, help="held-out accuracy to reach")
     p.add_argument("--checkpoint-every", type=int, default=10, help="trainer.checkpoint_every")
-    p.add_argument("--generator-gap", type=float, default=10.0, help="min s between generator kills")  # fmt: skip
-    p.add_argument("--other-gap", type=float, default=30.0, help="min s between trainer/buffer kills")  # fmt: skip
-    p.add_argument("--calm-s", type=float, default=60.0, help="s at the end of the run with no kill")  # fmt: skip
+    p.add_argument(
+        "--generator-gap", type=float, default=10.0, help="min s between generator kills"
+    )
+    p.add_argument(
+        "--other-gap", type=float, default=30.0, help="min s between trainer/buffer kills"
+    )
+    p.add_argument(
+        "--calm-s", type=float, default=60.0, help="s at the end of the run with no kill"
+    )
     p.add_argument("--out", default="", help="run directory (default runs/chaos/NAME-TIME)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="experiment overrides")
     args = p.parse_args(argv)
@@ -96,8 +107,10 @@ def schedule(args, rng: random.Random, generators: int, ranks: int) -> list[tupl
     """(seconds after the first step, process name), in time order."""
     span = args.minutes * 60
     last = span - args.calm_s
-    out = [(t, f"generator_{rng.randrange(generators)}")
-           for t in spaced(rng, args.generator_kills, 0.05 * span, last, args.generator_gap)]  # fmt: skip
+    out = [
+        (t, f"generator_{rng.randrange(generators)}")
+        for t in spaced(rng, args.generator_kills, 0.05 * span, last, args.generator_gap)
+    ]
     others = ["buffer"] * args.buffer_kills + ["trainer"] * args.trainer_kills
     rng.shuffle(others)
     for t, role in zip(spaced(rng, len(others), OTHERS_FROM * span, last, args.other_gap), others):
@@ -153,11 +166,17 @@ def live_pid(run_dir: Path, name: str) -> int | None:
     return pid if module.startswith(MODULES[role_of(name)]) and ours and worker else None
 
 
-def kill(run_dir: Path, name: str, launcher: subprocess.Popen, tail: MetricsTail, t0: float) -> dict:  # fmt: skip
+def kill(
+    run_dir: Path, name: str, launcher: subprocess.Popen, tail: MetricsTail, t0: float
+) -> dict:
     """SIGKILL NAME once it is alive, then wait for the launcher to start it again."""
     record: dict[str, Any] = {"name": name, "role": role_of(name)}
     deadline = time.time() + 120
-    while (pid := live_pid(run_dir, name)) is None and time.time() < deadline and launcher.poll() is None:  # fmt: skip
+    while (
+        (pid := live_pid(run_dir, name)) is None
+        and time.time() < deadline
+        and launcher.poll() is None
+    ):
         time.sleep(0.2)  # e.g. still coming back from an earlier kill
     if (run_dir / "summary.json").exists() or launcher.poll() is not None:
         return {**record, "error": "the run had ended"}  # its processes are being stopped
@@ -166,8 +185,11 @@ def kill(run_dir: Path, name: str, launcher: subprocess.Popen, tail: MetricsTail
     tail.poll()
     os.kill(pid, signal.SIGKILL)
     record.update(time_s=round(time.time() - t0, 1), pid=pid, step=tail.step())
-    print(f"[chaos] {record['time_s']:7.1f} s  SIGKILL {name} (pid {pid}) at step {record['step']}",
-          file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"[chaos] {record['time_s']:7.1f} s  SIGKILL {name} (pid {pid}) at step {record['step']}",
+        file=sys.stderr,
+        flush=True,
+    )
     deadline = time.time() + 180
     while time.time() < deadline and launcher.poll() is None:
         new = live_pid(run_dir, name)
@@ -198,10 +220,13 @@ def lineage(run_dir: Path, steps: int) -> dict[str, Any]:
     kept = {k: v for k, v in final.items() if k[1] < steps}
     keys = Counter(tuple(s) for samples in kept.values() for s in samples)
     present = {step for _, step in kept}
-    return {"lineage_samples": sum(keys.values()), "lineage_distinct": len(keys),
-            "duplicated": sum(1 for c in keys.values() if c > 1),
-            "missing_steps": [s for s in range(steps) if s not in present],
-            "ledger_steps_beyond_final": len(final) - len(kept)}  # fmt: skip
+    return {
+        "lineage_samples": sum(keys.values()),
+        "lineage_distinct": len(keys),
+        "duplicated": sum(1 for c in keys.values() if c > 1),
+        "missing_steps": [s for s in range(steps) if s not in present],
+        "ledger_steps_beyond_final": len(final) - len(kept),
+    }
 
 
 def accuracy(tail: MetricsTail, summary: dict, target: float, limit_s: float) -> dict[str, Any]:
@@ -213,12 +238,16 @@ def accuracy(tail: MetricsTail, summary: dict, target: float, limit_s: float) ->
     reached = next((r for r in evals if r["eval/accuracy"] >= target - 1e-9), None)
     seconds = round(reached["seen"] - anchor, 1) if reached else None
     final = summary.get("final_eval_accuracy")
-    return {"accuracy_initial": evals[0]["eval/accuracy"] if evals else None,
-            "accuracy_final": final if final is not None else (evals[-1]["eval/accuracy"] if evals else None),
-            "accuracy_peak": max((r["eval/accuracy"] for r in evals), default=None),
-            "trainer_wall_s": round(first[-1]["seen"] - anchor, 1) if first else None,
-            "seconds_to_target": seconds,
-            "target_reached": seconds is not None and seconds <= limit_s + GRACE_S}  # fmt: skip
+    return {
+        "accuracy_initial": evals[0]["eval/accuracy"] if evals else None,
+        "accuracy_final": final
+        if final is not None
+        else (evals[-1]["eval/accuracy"] if evals else None),
+        "accuracy_peak": max((r["eval/accuracy"] for r in evals), default=None),
+        "trainer_wall_s": round(first[-1]["seen"] - anchor, 1) if first else None,
+        "seconds_to_target": seconds,
+        "target_reached": seconds is not None and seconds <= limit_s + GRACE_S,
+    }
 
 
 def wait_for_first_step(launcher: subprocess.Popen, tail: MetricsTail, timeout_s: float) -> bool:
@@ -245,8 +274,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {run_dir} is not empty (a relaunch would resume it)", file=sys.stderr)
         return 2
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(ROOT / "launch" / "local.py"), args.experiment, f"run_dir={run_dir}",
-           f"time_limit_s={args.minutes * 60:g}", f"trainer.checkpoint_every={args.checkpoint_every}", *args.set]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "launch" / "local.py"),
+        args.experiment,
+        f"run_dir={run_dir}",
+        f"time_limit_s={args.minutes * 60:g}",
+        f"trainer.checkpoint_every={args.checkpoint_every}",
+        *args.set,
+    ]
     log = open(run_dir / "launch.log", "w")
     launcher = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     tail, kills, failed, t0 = MetricsTail(run_dir), [], [], time.time()
@@ -291,17 +327,35 @@ def read_json(path: Path) -> dict:
 
 def books(counters: dict, lineage_figures: dict) -> dict[str, Any]:
     """The buffer's counters, its accounting identity, and the lineage against them."""
-    c = {k: int(counters.get(f"buffer/{k}", 0)) for k in (
-        "samples_created", "samples_consumed", "samples_stale", "samples_filtered", "samples_failed",
-        "in_flight_samples", "batches_served_again", "steps_not_replayable", "leases_reissued")}  # fmt: skip
+    c = {
+        k: int(counters.get(f"buffer/{k}", 0))
+        for k in (
+            "samples_created",
+            "samples_consumed",
+            "samples_stale",
+            "samples_filtered",
+            "samples_failed",
+            "in_flight_samples",
+            "batches_served_again",
+            "steps_not_replayable",
+            "leases_reissued",
+        )
+    }
     ended = sum(c[f"samples_{k}"] for k in ("consumed", "stale", "filtered", "failed"))
     consumed, trained = c["samples_consumed"], lineage_figures["lineage_distinct"]
-    return {**c, "accounting_holds": bool(counters) and c["samples_created"] == ended + c["in_flight_samples"],
-            **lineage_figures, "lost": max(0, consumed - trained),
-            "trained_not_consumed": max(0, trained - consumed)}  # fmt: skip
+    return {
+        **c,
+        "accounting_holds": bool(counters)
+        and c["samples_created"] == ended + c["in_flight_samples"],
+        **lineage_figures,
+        "lost": max(0, consumed - trained),
+        "trained_not_consumed": max(0, trained - consumed),
+    }
 
 
-def check(args, run_dir: Path, code: int, kills: list[dict], tail: MetricsTail, failed: list[str]) -> int:  # fmt: skip
+def check(
+    args, run_dir: Path, code: int, kills: list[dict], tail: MetricsTail, failed: list[str]
+) -> int:
     summary = read_json(run_dir / "summary.json")
     steps = int(summary.get("steps", 0))
     done = [k for k in kills if "pid" in k]
@@ -309,16 +363,24 @@ def check(args, run_dir: Path, code: int, kills: list[dict], tail: MetricsTail, 
     restarts = launcher_restarts((run_dir / "launch.log").read_text(errors="replace"))
     last_kill_step = max((k["step"] for k in done), default=0)
     figures: dict[str, Any] = {
-        "run_dir": str(run_dir), "launcher_exit": code, "steps": steps,
-        "kills": {r: killed[r] for r in MODULES}, "restarts": {r: restarts[r] for r in MODULES},
+        "run_dir": str(run_dir),
+        "launcher_exit": code,
+        "steps": steps,
+        "kills": {r: killed[r] for r in MODULES},
+        "restarts": {r: restarts[r] for r in MODULES},
         "kills_failed": len(kills) - len(done),
         "kills_not_restarted": sum("restarted_after_s" not in k for k in done),
         "step_at_last_kill": last_kill_step,
         **books(read_json(run_dir / "buffer_counters.json"), lineage(run_dir, steps)),
-        **accuracy(tail, summary, args.target, args.minutes * 60), "target": args.target,
+        **accuracy(tail, summary, args.target, args.minutes * 60),
+        "target": args.target,
         "kill_log": kills,
-    }  # fmt: skip
-    wanted = {"generator": args.generator_kills, "trainer": args.trainer_kills, "buffer": args.buffer_kills}  # fmt: skip
+    }
+    wanted = {
+        "generator": args.generator_kills,
+        "trainer": args.trainer_kills,
+        "buffer": args.buffer_kills,
+    }
     checks = {
         f"launcher_exit_{code}": code != 0,
         **{f"{r}_kills_{killed[r]}_of_{n}": killed[r] < n for r, n in wanted.items()},

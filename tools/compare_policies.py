@@ -33,11 +33,14 @@ def greedy_correct(policy: str, task, examples, cfg) -> list[bool]:
     stages' held-out evaluation counts it (the embedded engine, ``greedy_completions``)."""
     tokenizer = load_tokenizer(policy)
     prompts = tokenize_prompts(tokenizer, examples)
-    engine = make_eval_engine(replace(cfg.model, path=policy), cfg.eval,
-                              max(len(p) for p in prompts), torch.device("cpu"))  # fmt: skip
+    engine = make_eval_engine(
+        replace(cfg.model, path=policy), cfg.eval, max(len(p) for p in prompts), torch.device("cpu")
+    )
     completions = greedy_completions(engine, prompts, cfg.eval.max_new_tokens)
-    return [task.score(ex, tokenizer.decode(ids, skip_special_tokens=True)) >= 1.0 - 1e-6
-            for ex, ids in zip(examples, completions)]  # fmt: skip
+    return [
+        task.score(ex, tokenizer.decode(ids, skip_special_tokens=True)) >= 1.0 - 1e-6
+        for ex, ids in zip(examples, completions)
+    ]
 
 
 def sign_test(up: int, down: int) -> float:
@@ -65,9 +68,18 @@ def main(argv: list[str] | None = None) -> None:
     up = sum(y and not x for x, y in zip(a, b))
     down = sum(x and not y for x, y in zip(a, b))
     n = max(len(examples), 1)
-    print(json.dumps({"problems": len(examples), "accuracy_a": round(sum(a) / n, 4),
-                      "accuracy_b": round(sum(b) / n, 4), "b_right_a_wrong": up,
-                      "a_right_b_wrong": down, "sign_test_p": round(sign_test(up, down), 4)}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "problems": len(examples),
+                "accuracy_a": round(sum(a) / n, 4),
+                "accuracy_b": round(sum(b) / n, 4),
+                "b_right_a_wrong": up,
+                "a_right_b_wrong": down,
+                "sign_test_p": round(sign_test(up, down), 4),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

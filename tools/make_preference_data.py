@@ -26,15 +26,25 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--policy", required=True, help="HF directory of the policy to sample")
-    parser.add_argument("--experiment", default="experiments/tiny_sft.py",
-                        help="experiment file whose task gives the prompts and the verifier")  # fmt: skip
+    parser.add_argument(
+        "--experiment",
+        default="experiments/tiny_sft.py",
+        help="experiment file whose task gives the prompts and the verifier",
+    )
     parser.add_argument("--out-dir", required=True)
     defaults = PreferenceDataConfig(train_path="", eval_path="")
     parser.add_argument(
         "--prompt-split", choices=["train", "unseen"], default=defaults.prompt_split
     )
-    for name in ("train_prompts", "samples_per_prompt", "max_new_tokens", "max_pairs_per_prompt",
-                 "seed", "threads", "max_slots"):  # fmt: skip
+    for name in (
+        "train_prompts",
+        "samples_per_prompt",
+        "max_new_tokens",
+        "max_pairs_per_prompt",
+        "seed",
+        "threads",
+        "max_slots",
+    ):
         parser.add_argument(
             "--" + name.replace("_", "-"), type=int, default=getattr(defaults, name)
         )
@@ -49,13 +59,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out_dir)
     cfg = PreferenceDataConfig(
-        train_path=str(out / "train.jsonl"), eval_path=str(out / "eval.jsonl"),
-        prompt_split=args.prompt_split, train_prompts=args.train_prompts,
-        samples_per_prompt=args.samples_per_prompt, temperature=args.temperature,
-        max_new_tokens=args.max_new_tokens, max_pairs_per_prompt=args.max_pairs_per_prompt,
-        seed=args.seed, threads=args.threads, max_slots=args.max_slots,
+        train_path=str(out / "train.jsonl"),
+        eval_path=str(out / "eval.jsonl"),
+        prompt_split=args.prompt_split,
+        train_prompts=args.train_prompts,
+        samples_per_prompt=args.samples_per_prompt,
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+        max_pairs_per_prompt=args.max_pairs_per_prompt,
+        seed=args.seed,
+        threads=args.threads,
+        max_slots=args.max_slots,
         train_pairing=args.train_pairing,
-    )  # fmt: skip
+    )
     stats = make_preference_data(args.policy, experiment.task, cfg)
     print(json.dumps(stats), flush=True)
     return 0

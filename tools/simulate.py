@@ -40,9 +40,11 @@ TOLERANCE = 0.15
 def describe(cfg: SimConfig) -> str:
     if cfg.placement == "colocated":
         return f"colocated {cfg.engine_threads + cfg.trainer_threads}t B={cfg.prompts_per_batch} n={cfg.samples_per_prompt}"
-    return (f"async eta={cfg.max_staleness} gen {cfg.num_generators}x{cfg.engine_threads}t "
-            f"trainer {cfg.trainer_ranks}x{cfg.trainer_threads}t B={cfg.prompts_per_batch} "
-            f"n={cfg.samples_per_prompt}")  # fmt: skip
+    return (
+        f"async eta={cfg.max_staleness} gen {cfg.num_generators}x{cfg.engine_threads}t "
+        f"trainer {cfg.trainer_ranks}x{cfg.trainer_threads}t B={cfg.prompts_per_batch} "
+        f"n={cfg.samples_per_prompt}"
+    )
 
 
 def measured(run_dir: str) -> dict[str, Any]:
@@ -58,9 +60,12 @@ def measured(run_dir: str) -> dict[str, Any]:
 
 def with_workload(params: SimParams, other: SimParams) -> SimParams:
     """``params``' costs with ``other``'s workload (lengths and filter schedule)."""
-    return dataclasses.replace(params, completion_lengths=other.completion_lengths,
-                               prompt_lengths=other.prompt_lengths,
-                               filter_schedule=other.filter_schedule)  # fmt: skip
+    return dataclasses.replace(
+        params,
+        completion_lengths=other.completion_lengths,
+        prompt_lengths=other.prompt_lengths,
+        filter_schedule=other.filter_schedule,
+    )
 
 
 def _err(pred: float, meas: float | None) -> float | None:
@@ -79,8 +84,10 @@ def thread_base(runs: list[str], cores: int, fit: bool) -> SimParams:
         base.gen_parallel_fraction = base.gen_parallel_fraction if gen is None else gen
         base.train_parallel_fraction = base.train_parallel_fraction if train is None else train
         print(f"thread scaling fitted over the listed runs: {note or 'no pair of thread counts'}")
-    print(f"parallel fractions: generator {base.gen_parallel_fraction:.3f}, trainer "
-          f"{base.train_parallel_fraction:.3f}{' (fitted)' if fit else ' (assumed)'}")  # fmt: skip
+    print(
+        f"parallel fractions: generator {base.gen_parallel_fraction:.3f}, trainer "
+        f"{base.train_parallel_fraction:.3f}{' (fitted)' if fit else ' (assumed)'}"
+    )
     return base
 
 
@@ -104,33 +111,41 @@ def prediction_matrix(
 def check_row(run: str, cfg: SimConfig, m: dict, p: dict, q: dict, primary: str) -> dict[str, Any]:
     """Measured ``m`` against predicted ``p`` (calibration workload), ``q`` (run's workload)."""
     meas = m["trained_tokens_per_s"]
-    return {"run": run, "config": describe(cfg), "in_sample": run == primary,
-            "measured_trained_tokens_per_s": meas,
-            "predicted_trained_tokens_per_s": p["trained_tokens_per_s"],
-            "error": _err(p["trained_tokens_per_s"], meas),
-            "predicted_with_run_workload": q["trained_tokens_per_s"],
-            "error_with_run_workload": _err(q["trained_tokens_per_s"], meas),
-            "measured_generated_tokens_per_s": m["generated_tokens_per_s"],
-            "predicted_generated_tokens_per_s": p["generated_tokens_per_s"],
-            "measured_generator_idle": m["generator_idle_fraction"],
-            "predicted_generator_idle": p["generator_idle_fraction"],
-            "measured_trainer_idle": m["trainer_idle_fraction"],
-            "predicted_trainer_idle": p["trainer_idle_fraction"],
-            "measured_staleness": m["staleness_histogram"],
-            "predicted_staleness": p["staleness_histogram"]}  # fmt: skip
+    return {
+        "run": run,
+        "config": describe(cfg),
+        "in_sample": run == primary,
+        "measured_trained_tokens_per_s": meas,
+        "predicted_trained_tokens_per_s": p["trained_tokens_per_s"],
+        "error": _err(p["trained_tokens_per_s"], meas),
+        "predicted_with_run_workload": q["trained_tokens_per_s"],
+        "error_with_run_workload": _err(q["trained_tokens_per_s"], meas),
+        "measured_generated_tokens_per_s": m["generated_tokens_per_s"],
+        "predicted_generated_tokens_per_s": p["generated_tokens_per_s"],
+        "measured_generator_idle": m["generator_idle_fraction"],
+        "predicted_generator_idle": p["generator_idle_fraction"],
+        "measured_trainer_idle": m["trainer_idle_fraction"],
+        "predicted_trainer_idle": p["trainer_idle_fraction"],
+        "measured_staleness": m["staleness_histogram"],
+        "predicted_staleness": p["staleness_histogram"],
+    }
 
 
 def print_rows(rows: list[dict], primary: str, cores: int) -> None:
     print(f"calibrated on {primary} ({cores} cores); trained tokens/s, measured vs predicted")
-    print(f"{'run':<22} {'config':<48} {'measured':>9} {'pred':>9} {'err':>7} {'pred*':>9} {'err*':>7}"
-          f"  gen idle m/p   trainer idle m/p")  # fmt: skip
+    print(
+        f"{'run':<22} {'config':<48} {'measured':>9} {'pred':>9} {'err':>7} {'pred*':>9} {'err*':>7}"
+        f"  gen idle m/p   trainer idle m/p"
+    )
     for r in rows:
         name = Path(r["run"]).name + (" (cal)" if r["in_sample"] else "")
-        print(f"{name:<22} {r['config']:<48} {_fmt(r['measured_trained_tokens_per_s'], '9.0f')} "
-              f"{r['predicted_trained_tokens_per_s']:9.0f} {_fmt(r['error'], '+7.1%')} "
-              f"{r['predicted_with_run_workload']:9.0f} {_fmt(r['error_with_run_workload'], '+7.1%')}  "
-              f"{_fmt(r['measured_generator_idle'], '.3f')}/{r['predicted_generator_idle']:.3f}    "
-              f"{_fmt(r['measured_trainer_idle'], '.3f')}/{r['predicted_trainer_idle']:.3f}")  # fmt: skip
+        print(
+            f"{name:<22} {r['config']:<48} {_fmt(r['measured_trained_tokens_per_s'], '9.0f')} "
+            f"{r['predicted_trained_tokens_per_s']:9.0f} {_fmt(r['error'], '+7.1%')} "
+            f"{r['predicted_with_run_workload']:9.0f} {_fmt(r['error_with_run_workload'], '+7.1%')}  "
+            f"{_fmt(r['measured_generator_idle'], '.3f')}/{r['predicted_generator_idle']:.3f}    "
+            f"{_fmt(r['measured_trainer_idle'], '.3f')}/{r['predicted_trainer_idle']:.3f}"
+        )
     print("(* with the predicted run's own workload: its lengths and filter schedule)")
 
 
@@ -141,12 +156,31 @@ def check(runs: list[str], cores: int, seed: int, fit_threads: bool = False) -> 
     meas = {r: measured(r) for r in runs}
     predictions = prediction_matrix(runs, params, configs)
     primary = runs[0]
-    rows = [check_row(r, configs[r], meas[r], predictions[(primary, r, MODES[0])],
-                      predictions[(primary, r, MODES[1])], primary) for r in runs]  # fmt: skip
+    rows = [
+        check_row(
+            r,
+            configs[r],
+            meas[r],
+            predictions[(primary, r, MODES[0])],
+            predictions[(primary, r, MODES[1])],
+            primary,
+        )
+        for r in runs
+    ]
     print_rows(rows, primary, cores)
-    matrix = {mode: {cal: {run: _err(predictions[(cal, run, mode)]["trained_tokens_per_s"],
-                                     meas[run]["trained_tokens_per_s"]) for run in runs}
-                     for cal in runs} for mode in MODES}  # fmt: skip
+    matrix = {
+        mode: {
+            cal: {
+                run: _err(
+                    predictions[(cal, run, mode)]["trained_tokens_per_s"],
+                    meas[run]["trained_tokens_per_s"],
+                )
+                for run in runs
+            }
+            for cal in runs
+        }
+        for mode in MODES
+    }
     for mode, table in matrix.items():
         print(
             f"\nerror by calibration run (rows) and predicted run (columns), {mode.replace('_', ' ')}:"
@@ -154,16 +188,29 @@ def check(runs: list[str], cores: int, seed: int, fit_threads: bool = False) -> 
         print(" " * 14 + "".join(f"{Path(r).name:>14}" for r in runs))
         for cal in runs:
             print(f"{Path(cal).name:<14}" + "".join(_fmt(table[cal][r], "+14.1%") for r in runs))
-    out_of_sample = [e for table in matrix.values() for cal, row in table.items()
-                     for run, e in row.items() if run != cal and e is not None]  # fmt: skip
+    out_of_sample = [
+        e
+        for table in matrix.values()
+        for cal, row in table.items()
+        for run, e in row.items()
+        if run != cal and e is not None
+    ]
     primary_errors = [r["error"] for r in rows if r["error"] is not None and not r["in_sample"]]
     within = {r["config"] for r in rows if r["error"] is not None and abs(r["error"]) <= TOLERANCE}
-    return {"command": "check", "calibrated_on": primary, "cores": cores, "fit_threads": fit_threads,
-            "gen_parallel_fraction": base.gen_parallel_fraction,
-            "train_parallel_fraction": base.train_parallel_fraction, "rows": rows, "matrix": matrix,
-            "max_abs_error_out_of_sample": max(map(abs, primary_errors), default=None),
-            "max_abs_error_any_calibration": max(map(abs, out_of_sample), default=None),
-            "configs_within_15pct": len(within), "notes": params[primary].notes}  # fmt: skip
+    return {
+        "command": "check",
+        "calibrated_on": primary,
+        "cores": cores,
+        "fit_threads": fit_threads,
+        "gen_parallel_fraction": base.gen_parallel_fraction,
+        "train_parallel_fraction": base.train_parallel_fraction,
+        "rows": rows,
+        "matrix": matrix,
+        "max_abs_error_out_of_sample": max(map(abs, primary_errors), default=None),
+        "max_abs_error_any_calibration": max(map(abs, out_of_sample), default=None),
+        "configs_within_15pct": len(within),
+        "notes": params[primary].notes,
+    }
 
 
 def predict(
@@ -177,12 +224,24 @@ def predict(
     print(
         f"calibrated on {run}; predicting {describe(cfg)} for {cfg.duration_s:.0f} s on {cfg.cores} cores"
     )
-    for key in ("steps", "steps_per_s", "trained_tokens_per_s", "generated_tokens_per_s",
-                "generator_idle_fraction", "trainer_idle_fraction", "mean_active_batch"):  # fmt: skip
+    for key in (
+        "steps",
+        "steps_per_s",
+        "trained_tokens_per_s",
+        "generated_tokens_per_s",
+        "generator_idle_fraction",
+        "trainer_idle_fraction",
+        "mean_active_batch",
+    ):
         print(f"  {key:<26} {result[key]:.4g}")
     print(f"  {'staleness_histogram':<26} {result['staleness_histogram']}")
-    return {"command": "predict", "calibrated_on": run, "config": dataclasses.asdict(cfg),
-            "prediction": result, "params": params.to_json()}  # fmt: skip
+    return {
+        "command": "predict",
+        "calibrated_on": run,
+        "config": dataclasses.asdict(cfg),
+        "prediction": result,
+        "params": params.to_json(),
+    }
 
 
 def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
@@ -190,10 +249,16 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     for item in args.gpu:
         key, value = item.split("=", 1)
         setattr(gpu, key, type(getattr(gpu, key))(float(value)) if key != "name" else value)
-    w = Workload(model_params=args.model_params, prompt_tokens=args.prompt_tokens,
-                 response_mean=args.response_mean, response_max=args.response_max,
-                 prompts_per_batch=args.batch, samples_per_prompt=args.samples,
-                 filter_probability=args.filter_probability, weight_sync=args.weight_sync)  # fmt: skip
+    w = Workload(
+        model_params=args.model_params,
+        prompt_tokens=args.prompt_tokens,
+        response_mean=args.response_mean,
+        response_max=args.response_max,
+        prompts_per_batch=args.batch,
+        samples_per_prompt=args.samples,
+        filter_probability=args.filter_probability,
+        weight_sync=args.weight_sync,
+    )
     etas = [None if e.strip().lower() == "none" else int(e) for e in args.etas.split(",")]
     rows = sweep(w, gpu, args.gpus, etas, steps=args.steps)
     out = Path(args.out)
@@ -202,17 +267,26 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    print(f"{'placement':<10} {'eta':>4} {'trainer':>8} {'gens':>6} {'tok/s':>12} {'tok/s/gpu':>10} "
-          f"{'step s':>8} {'gen idle':>9} {'slot fill':>9} {'trn idle':>9} {'stale':>6}")  # fmt: skip
+    print(
+        f"{'placement':<10} {'eta':>4} {'trainer':>8} {'gens':>6} {'tok/s':>12} {'tok/s/gpu':>10} "
+        f"{'step s':>8} {'gen idle':>9} {'slot fill':>9} {'trn idle':>9} {'stale':>6}"
+    )
     for r in rows:
-        print(f"{r['placement']:<10} {str(r['max_staleness']):>4} {r['trainer_gpus']:>8} {r['generator_gpus']:>6} "
-              f"{r['trained_tokens_per_s']:>12.0f} {r['trained_tokens_per_s_per_gpu']:>10.1f} "
-              f"{_fmt(r['step_s'], '8.1f')} {r['generator_idle_fraction']:>9.3f} {r['generator_slot_fill']:>9.3f} "
-              f"{r['trainer_idle_fraction']:>9.3f} {r['mean_staleness']:>6.2f}")  # fmt: skip
+        print(
+            f"{r['placement']:<10} {str(r['max_staleness']):>4} {r['trainer_gpus']:>8} {r['generator_gpus']:>6} "
+            f"{r['trained_tokens_per_s']:>12.0f} {r['trained_tokens_per_s_per_gpu']:>10.1f} "
+            f"{_fmt(r['step_s'], '8.1f')} {r['generator_idle_fraction']:>9.3f} {r['generator_slot_fill']:>9.3f} "
+            f"{r['trainer_idle_fraction']:>9.3f} {r['mean_staleness']:>6.2f}"
+        )
     async_rows = [r for r in rows if r["placement"] == "async"]
     best = max(async_rows, key=lambda r: r["trained_tokens_per_s"])
-    per_eta = {str(e): max((r for r in async_rows if r["max_staleness"] == e), key=lambda r: r["trained_tokens_per_s"])
-               for e in etas}  # fmt: skip
+    per_eta = {
+        str(e): max(
+            (r for r in async_rows if r["max_staleness"] == e),
+            key=lambda r: r["trained_tokens_per_s"],
+        )
+        for e in etas
+    }
     coloc = next(r for r in rows if r["placement"] == "colocated")
     brief = (
         "trainer_gpus",
@@ -221,13 +295,19 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
         "trained_tokens_per_s",
         "mean_staleness",
     )
-    return {"command": "sweep", "csv": str(out), "gpus": args.gpus, "model_params": args.model_params,
-            "best": {k: best[k] for k in brief},
-            "best_generator_to_trainer": best["generator_gpus"] / best["trainer_gpus"],
-            "best_per_eta": {e: {k: r[k] for k in brief} for e, r in per_eta.items()},
-            "colocated_trained_tokens_per_s": coloc["trained_tokens_per_s"],
-            "workload": dataclasses.asdict(w), "gpu_assumed": dataclasses.asdict(gpu),
-            "note": "GPU figures are assumptions (asyncrl/sim/gpu.py), not measurements"}  # fmt: skip
+    return {
+        "command": "sweep",
+        "csv": str(out),
+        "gpus": args.gpus,
+        "model_params": args.model_params,
+        "best": {k: best[k] for k in brief},
+        "best_generator_to_trainer": best["generator_gpus"] / best["trainer_gpus"],
+        "best_per_eta": {e: {k: r[k] for k in brief} for e, r in per_eta.items()},
+        "colocated_trained_tokens_per_s": coloc["trained_tokens_per_s"],
+        "workload": dataclasses.asdict(w),
+        "gpu_assumed": dataclasses.asdict(gpu),
+        "note": "GPU figures are assumptions (asyncrl/sim/gpu.py), not measurements",
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -238,9 +318,12 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--calibrate", nargs="+", required=True, metavar="RUN")
         p.add_argument("--cores", type=int, default=os.cpu_count() or 1)
         p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--fit-threads", action="store_true",
-                       help="fit the Amdahl parallel fractions over the listed runs (needs runs at 1 and "
-                            "more threads; predictions of multi-thread runs become partly in-sample)")  # fmt: skip
+        p.add_argument(
+            "--fit-threads",
+            action="store_true",
+            help="fit the Amdahl parallel fractions over the listed runs (needs runs at 1 and "
+            "more threads; predictions of multi-thread runs become partly in-sample)",
+        )
     sub.choices["predict"].add_argument("overrides", nargs="*", help="SimConfig key=value")
     s = sub.add_parser("sweep")
     s.add_argument("--gpus", type=int, default=1024)

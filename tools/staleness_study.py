@@ -35,8 +35,12 @@ def points_for(etas: list[str], seeds: list[int], time_limit: float) -> list[Poi
                 if eta == "0" and not decoupled:
                     continue  # the same objective as decoupled at η = 0
                 name = f"eta{eta}-{'dec' if decoupled else 'std'}-s{seed}"
-                overrides = [f"buffer.max_staleness={eta}", f"rl.loss.use_decoupled_loss={decoupled}",
-                             f"seed={seed}", f"time_limit_s={time_limit}"]  # fmt: skip
+                overrides = [
+                    f"buffer.max_staleness={eta}",
+                    f"rl.loss.use_decoupled_loss={decoupled}",
+                    f"seed={seed}",
+                    f"time_limit_s={time_limit}",
+                ]
                 points.append(
                     Point(name, overrides, {"eta": eta, "decoupled": decoupled, "seed": seed})
                 )
@@ -127,10 +131,25 @@ def main(argv: list[str] | None = None) -> int:
     results = run_points(args.experiment, points, out, targets, timeout_s=args.time_limit + 600)
     write_csv(results, out / "results.csv")
     plot(results, out, etas)
-    table = [{k: r[k] for k in ("eta", "decoupled", "seed", "steps", "trained_tokens_per_s",
-                                "generated_tokens_per_s", "generator_idle_fraction", "trainer_idle_fraction",
-                                "final_eval_accuracy", "s_to_target", "staleness_histogram")}
-             for r in results]  # fmt: skip
+    table = [
+        {
+            k: r[k]
+            for k in (
+                "eta",
+                "decoupled",
+                "seed",
+                "steps",
+                "trained_tokens_per_s",
+                "generated_tokens_per_s",
+                "generator_idle_fraction",
+                "trainer_idle_fraction",
+                "final_eval_accuracy",
+                "s_to_target",
+                "staleness_histogram",
+            )
+        }
+        for r in results
+    ]
     print(json.dumps({"study": "staleness", "out": str(out), "runs": table}))
     return 0
 

@@ -58,9 +58,15 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     out = Path(args.out)
     modes = {m: MODES[m] for m in args.modes.split(",") if m}
-    points = [Point(f"{mode}-s{seed}", [*extra, f"seed={seed}", f"time_limit_s={args.time_limit}", *args.set],
-                    {"mode": mode, "seed": seed})
-              for seed in seeds for mode, extra in modes.items()]  # fmt: skip
+    points = [
+        Point(
+            f"{mode}-s{seed}",
+            [*extra, f"seed={seed}", f"time_limit_s={args.time_limit}", *args.set],
+            {"mode": mode, "seed": seed},
+        )
+        for seed in seeds
+        for mode, extra in modes.items()
+    ]
     results = run_points(
         args.experiment, points, out, [args.target], timeout_s=args.time_limit + 600
     )
@@ -82,17 +88,39 @@ def main(argv: list[str] | None = None) -> int:
         a, b = summary["async_s_to_target"], summary[f"{other}_s_to_target"]
         summary[f"async_speedup_vs_{other}"] = round(b / a, 3) if a and b else None
     if args.sweep_time_limit > 0:
-        sweep = [Point(f"ratio-g{g}x{t}-t{tt}", [f"num_generators={g}", f"engine.threads={t}",
-                       f"trainer.threads_per_rank={tt}", f"time_limit_s={args.sweep_time_limit}",
-                       "eval.every_steps=0", f"seed={seeds[0]}", *args.set],
-                       {"num_generators": g, "generator_threads": t, "trainer_threads": tt})
-                 for g, t, tt in RATIOS]  # fmt: skip
+        sweep = [
+            Point(
+                f"ratio-g{g}x{t}-t{tt}",
+                [
+                    f"num_generators={g}",
+                    f"engine.threads={t}",
+                    f"trainer.threads_per_rank={tt}",
+                    f"time_limit_s={args.sweep_time_limit}",
+                    "eval.every_steps=0",
+                    f"seed={seeds[0]}",
+                    *args.set,
+                ],
+                {"num_generators": g, "generator_threads": t, "trainer_threads": tt},
+            )
+            for g, t, tt in RATIOS
+        ]
         swept = run_points(args.experiment, sweep, out, [], timeout_s=args.sweep_time_limit + 600)
         write_csv(swept, out / "ratio_sweep.csv")
-        summary["ratio_sweep"] = [{k: r[k] for k in ("num_generators", "generator_threads", "trainer_threads",
-                                                    "trained_tokens_per_s", "generated_tokens_per_s",
-                                                    "generator_idle_fraction", "trainer_idle_fraction")}
-                                  for r in swept]  # fmt: skip
+        summary["ratio_sweep"] = [
+            {
+                k: r[k]
+                for k in (
+                    "num_generators",
+                    "generator_threads",
+                    "trainer_threads",
+                    "trained_tokens_per_s",
+                    "generated_tokens_per_s",
+                    "generator_idle_fraction",
+                    "trainer_idle_fraction",
+                )
+            }
+            for r in swept
+        ]
     print(json.dumps(summary))
     return 0
 

@@ -80,20 +80,45 @@ def main(argv: list[str] | None = None) -> int:
     n = cfg.buffer.samples_per_prompt
     per_step = cfg.buffer.prompts_per_batch * n
     trl_cfg = GRPOConfig(
-        output_dir=args.out, use_cpu=True, bf16=False, report_to="none", save_strategy="no",
-        seed=cfg.seed, max_steps=cfg.rl.max_steps, logging_steps=10, disable_dropout=True,
-        per_device_train_batch_size=per_step, gradient_accumulation_steps=1, num_generations=n,
-        generation_batch_size=per_step, num_iterations=1,
-        max_completion_length=cfg.sampling.max_new_tokens, temperature=cfg.sampling.temperature,
-        top_p=1.0, top_k=0, learning_rate=cfg.optim.lr, lr_scheduler_type="constant_with_warmup",
-        warmup_steps=cfg.optim.warmup_steps, adam_beta1=cfg.optim.beta1, adam_beta2=cfg.optim.beta2,
-        weight_decay=cfg.optim.weight_decay, max_grad_norm=cfg.optim.max_grad_norm,
-        beta=0.0, loss_type="dapo", epsilon=cfg.rl.loss.clip_low, epsilon_high=cfg.rl.loss.clip_high,
-        scale_rewards="group", remove_unused_columns=False,
-    )  # fmt: skip
+        output_dir=args.out,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        seed=cfg.seed,
+        max_steps=cfg.rl.max_steps,
+        logging_steps=10,
+        disable_dropout=True,
+        per_device_train_batch_size=per_step,
+        gradient_accumulation_steps=1,
+        num_generations=n,
+        generation_batch_size=per_step,
+        num_iterations=1,
+        max_completion_length=cfg.sampling.max_new_tokens,
+        temperature=cfg.sampling.temperature,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=cfg.optim.lr,
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=cfg.optim.warmup_steps,
+        adam_beta1=cfg.optim.beta1,
+        adam_beta2=cfg.optim.beta2,
+        weight_decay=cfg.optim.weight_decay,
+        max_grad_norm=cfg.optim.max_grad_norm,
+        beta=0.0,
+        loss_type="dapo",
+        epsilon=cfg.rl.loss.clip_low,
+        epsilon_high=cfg.rl.loss.clip_high,
+        scale_rewards="group",
+        remove_unused_columns=False,
+    )
 
-    engine = make_eval_engine(cfg.model, cfg.eval, max(len(p) for p in tokenize_prompts(tokenizer, held_out)),
-                              torch.device("cpu"))  # fmt: skip
+    engine = make_eval_engine(
+        cfg.model,
+        cfg.eval,
+        max(len(p) for p in tokenize_prompts(tokenizer, held_out)),
+        torch.device("cpu"),
+    )
     points: list[tuple[float, int, float]] = []
     start = time.time()
 
@@ -113,8 +138,14 @@ def main(argv: list[str] | None = None) -> int:
                 control.should_training_stop = True
             return control
 
-    trainer = GRPOTrainer(model=model, reward_funcs=verifier, args=trl_cfg, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[Evaluate()])  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=verifier,
+        args=trl_cfg,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[Evaluate()],
+    )
     evaluate(0)
     # The clock starts after the first evaluation, as asyncrl's RL stage's does.
     start, points[0] = time.time(), (0.0, 0, points[0][2])
@@ -124,13 +155,16 @@ def main(argv: list[str] | None = None) -> int:
         evaluate(steps)
     wall = time.time() - start
     result = {
-        "trainer": "trl.GRPOTrainer", "experiment": args.experiment, "steps": steps, "wall_s": round(wall, 1),
+        "trainer": "trl.GRPOTrainer",
+        "experiment": args.experiment,
+        "steps": steps,
+        "wall_s": round(wall, 1),
         "steps_per_s": round(steps / wall, 3),
         "trained_samples_per_s": round(steps * per_step / wall, 1),
         "accuracy_at_min": accuracy_at([(t, a) for t, _, a in points], [0, 2, 5, 10]),
         "s_to_target": {str(t): first_reaching(points, t) for t in args.targets},
         "final_accuracy": points[-1][2],
-    }  # fmt: skip
+    }
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "evals.json").write_text(json.dumps(points))
     print(json.dumps(result))

@@ -304,15 +304,26 @@ class RolloutBuffer:
     # ---- state ----------------------------------------------------------------------
     def state(self) -> bytes:
         """The buffer's state as msgpack; ``restore`` takes it back."""
-        return msgspec.msgpack.encode(BufferState(
-            version=self.version, prompt_position=self.prompt_position,
-            retry_prompts=list(self.retry_prompts), prompts_counted=self.prompts_counted,
-            groups=list(self.groups.values()), next_group_id=self.next_group_id, next_lease=self.next_lease,
-            to_lease=list(self.to_lease), ready=list(self.ready), served=self.served,
-            counts=dict(self.counts), reward_sum=self.reward_sum, staleness=dict(self.staleness),
-            newest_consumed_version=self.newest_consumed_version, keep_served_from=self.keep_served_from,
-            uniform_streak=self.uniform_streak,
-        ))  # fmt: skip
+        return msgspec.msgpack.encode(
+            BufferState(
+                version=self.version,
+                prompt_position=self.prompt_position,
+                retry_prompts=list(self.retry_prompts),
+                prompts_counted=self.prompts_counted,
+                groups=list(self.groups.values()),
+                next_group_id=self.next_group_id,
+                next_lease=self.next_lease,
+                to_lease=list(self.to_lease),
+                ready=list(self.ready),
+                served=self.served,
+                counts=dict(self.counts),
+                reward_sum=self.reward_sum,
+                staleness=dict(self.staleness),
+                newest_consumed_version=self.newest_consumed_version,
+                keep_served_from=self.keep_served_from,
+                uniform_streak=self.uniform_streak,
+            )
+        )
 
     def restore(self, data: bytes, now: float) -> None:
         """Resume from ``state()``. Leases stay with their holders: a generator that is still
@@ -343,15 +354,19 @@ class RolloutBuffer:
     def alive_since(self, now: float) -> None:
         """Give every lease holder a full heartbeat timeout from ``now`` to show it is alive
         (after a restart)."""
-        self.last_seen = {s.worker_id: now for g in self.groups.values() for s in g.slots
-                          if s.lease_id}  # fmt: skip
+        self.last_seen = {
+            s.worker_id: now for g in self.groups.values() for s in g.slots if s.lease_id
+        }
 
     def rescore(self) -> None:
         """List every finished, unscored sample in ``unscored`` again: rewards on their way
         to a process that died never arrive, so the new one asks for them anew."""
-        self.unscored = [((g.group_id, s.index), g.prompt_id, list(s.token_ids))
-                         for g in self.groups.values() for s in g.slots
-                         if s.finish_reason is not None and s.lease_id is None and s.reward is None]  # fmt: skip
+        self.unscored = [
+            ((g.group_id, s.index), g.prompt_id, list(s.token_ids))
+            for g in self.groups.values()
+            for s in g.slots
+            if s.finish_reason is not None and s.lease_id is None and s.reward is None
+        ]
 
     # ---- accounting ----------------------------------------------------------------
     def in_flight(self) -> int:
@@ -366,8 +381,10 @@ class RolloutBuffer:
             c["samples_consumed"] + c["samples_stale"] + c["samples_filtered"] + c["samples_failed"]
         )
         if c["samples_created"] != ended + self.in_flight():
-            raise AssertionError(f"accounting broken: created {c['samples_created']} != ended {ended} "
-                                 f"+ in flight {self.in_flight()} ({dict(c)})")  # fmt: skip
+            raise AssertionError(
+                f"accounting broken: created {c['samples_created']} != ended {ended} "
+                f"+ in flight {self.in_flight()} ({dict(c)})"
+            )
 
     # ---- internals -----------------------------------------------------------------
     def _admit_prompt(self) -> bool:
@@ -377,8 +394,12 @@ class RolloutBuffer:
             prompt_id, prompt_ids = self.retry_prompts.popleft()
         else:
             prompt_id, prompt_ids = self._next_prompt()
-        group = _Group(self.next_group_id, prompt_id, list(prompt_ids),
-                       [_Slot(i) for i in range(self.cfg.samples_per_prompt)])  # fmt: skip
+        group = _Group(
+            self.next_group_id,
+            prompt_id,
+            list(prompt_ids),
+            [_Slot(i) for i in range(self.cfg.samples_per_prompt)],
+        )
         self.groups[group.group_id] = group
         self.next_group_id += 1
         self.prompts_counted += 1
@@ -409,10 +430,19 @@ class RolloutBuffer:
         slot.worker_id, slot.deadline, slot.next_seq = worker_id, now + self.cfg.lease_timeout_s, 0
         self.leases[slot.lease_id] = (group_id, index)
         self.counts["leases_issued"] += 1
-        return Lease(run_id=self.run_id, lease_id=slot.lease_id, prompt_id=group.prompt_id, group_id=group_id,
-                     sample_index=index, prompt_ids=group.prompt_ids, sampling=self.sampling,
-                     deadline=slot.deadline, prefix_ids=list(slot.token_ids),
-                     prefix_logprobs=list(slot.logprobs), prefix_versions=list(slot.versions))  # fmt: skip
+        return Lease(
+            run_id=self.run_id,
+            lease_id=slot.lease_id,
+            prompt_id=group.prompt_id,
+            group_id=group_id,
+            sample_index=index,
+            prompt_ids=group.prompt_ids,
+            sampling=self.sampling,
+            deadline=slot.deadline,
+            prefix_ids=list(slot.token_ids),
+            prefix_logprobs=list(slot.logprobs),
+            prefix_versions=list(slot.versions),
+        )
 
     def _finish(self, group_id: int, slot: _Slot, reason: str | None) -> None:
         del self.leases[slot.lease_id]
@@ -490,10 +520,17 @@ class RolloutBuffer:
 
     def _sample(self, group: _Group, slot: _Slot) -> Sample:
         prompt = len(group.prompt_ids)
-        return Sample(prompt_id=group.prompt_id, group_id=group.group_id, sample_index=slot.index,
-                      token_ids=group.prompt_ids + slot.token_ids, logprobs=[0.0] * prompt + slot.logprobs,
-                      versions=[-1] * prompt + slot.versions, loss_mask=[0] * prompt + [1] * len(slot.token_ids),
-                      reward=slot.reward, finish_reason=slot.finish_reason)  # fmt: skip
+        return Sample(
+            prompt_id=group.prompt_id,
+            group_id=group.group_id,
+            sample_index=slot.index,
+            token_ids=group.prompt_ids + slot.token_ids,
+            logprobs=[0.0] * prompt + slot.logprobs,
+            versions=[-1] * prompt + slot.versions,
+            loss_mask=[0] * prompt + [1] * len(slot.token_ids),
+            reward=slot.reward,
+            finish_reason=slot.finish_reason,
+        )
 
 
 def _split(per_group: list[list[Sample]], world_size: int) -> list[list[Sample]]:

@@ -110,8 +110,11 @@ class Scoring:
         # id -> (buffer key, {part: reward}).
         self._waiting: dict[int, tuple[tuple[int, int], dict[str, float]]] = {}
         self._next_id = 0
-        self._parts = {"verifier": {"verifier"}, "model": {"model"},
-                       "mixed": {"verifier", "model"}}[reward.source]  # fmt: skip
+        self._parts = {
+            "verifier": {"verifier"},
+            "model": {"model"},
+            "mixed": {"verifier", "model"},
+        }[reward.source]
 
     def text(self, completion: list[int]) -> str:
         return completion_text(self.tokenizer, completion)
@@ -209,9 +212,14 @@ class BufferServer:
             router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # A restarted buffer binds where the dead one was: peers reconnect by themselves.
         before = read_endpoints(cfg.run_dir, "buffer", timeout_s=0) or {}
-        self.endpoints = {name: bind(sock, t, cfg.run_dir, f"buffer-{name}", before.get(name, ""))
-                          for name, sock in (("chunks", self.chunks), ("leases", self.leases),
-                                             ("trainer", self.trainer))}  # fmt: skip
+        self.endpoints = {
+            name: bind(sock, t, cfg.run_dir, f"buffer-{name}", before.get(name, ""))
+            for name, sock in (
+                ("chunks", self.chunks),
+                ("leases", self.leases),
+                ("trainer", self.trainer),
+            )
+        }
         self.decoder = WireDecoder(cfg.run_id)
         self.lease_waiting: dict[bytes, LeaseRequest] = {}
         self.batch_waiting: dict[bytes, BatchRequest] = {}
@@ -253,8 +261,11 @@ class BufferServer:
             self.journal.log = self.wal
             self.save_state()  # the replayed state becomes the base of a fresh segment
         if replayed or segment:
-            print(f"[buffer] restored: {replayed} logged events replayed, version "
-                  f"{self.buffer.version}, {self.buffer.in_flight()} samples in flight", flush=True)  # fmt: skip
+            print(
+                f"[buffer] restored: {replayed} logged events replayed, version "
+                f"{self.buffer.version}, {self.buffer.in_flight()} samples in flight",
+                flush=True,
+            )
         return replayed
 
     def serve(self) -> None:

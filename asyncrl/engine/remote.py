@@ -118,9 +118,13 @@ class _Counters:
 
 class RemoteEngine(ServerUpdates):
     def __init__(
-        self, model_path: str, cfg: EngineConfig, version: int = 0, log_dir: str | Path = "",
+        self,
+        model_path: str,
+        cfg: EngineConfig,
+        version: int = 0,
+        log_dir: str | Path = "",
         name: str = "engine",
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.cfg, self.remote = cfg, cfg.remote
         self.remote.check()
         self.model_path = model_path
@@ -144,8 +148,9 @@ class RemoteEngine(ServerUpdates):
             servers = [Server(url.rstrip("/")) for url in self.remote.urls]
         else:
             log_dir = Path(log_dir) if log_dir else self._staging / "logs"
-            servers = launch_servers(self.remote, model_path, log_dir, name, version,
-                                     cfg.max_seq_len, cfg.threads)  # fmt: skip
+            servers = launch_servers(
+                self.remote, model_path, log_dir, name, version, cfg.max_seq_len, cfg.threads
+            )
         self.servers = [_ServerState(s, version) for s in servers]
         try:
             wait_healthy(servers, self.remote.startup_timeout_s)
@@ -153,7 +158,9 @@ class RemoteEngine(ServerUpdates):
             stop_servers(servers)
             raise
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="remote-engine", daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="remote-engine", daemon=True
+        )
         self._thread.start()
         self._session: aiohttp.ClientSession = self._call(self._open_session())
         if self.remote.urls:  # attached: start from the versions the servers report
@@ -300,8 +307,10 @@ class RemoteEngine(ServerUpdates):
         except (TimeoutError, aiohttp.ClientError, ValueError) as e:
             process = server.server.process
             died = process is not None and process.poll() is not None
-            self._fail(f"request to {server.server.url} failed: {type(e).__name__}: {e}"
-                       + (f"\nthe server exited:\n{log_tail(server.server)}" if died else ""))  # fmt: skip
+            self._fail(
+                f"request to {server.server.url} failed: {type(e).__name__}: {e}"
+                + (f"\nthe server exited:\n{log_tail(server.server)}" if died else "")
+            )
             return
         with self._lock:
             server.inflight -= 1
@@ -328,8 +337,9 @@ class RemoteEngine(ServerUpdates):
 
     async def _stream(self, server: _ServerState, seq: _Seq) -> tuple[str | None, bool]:
         """One ``/generate`` attempt; records its tokens. Returns (finish reason, error)."""
-        payload = api.generate_payload(seq.rid, seq.request.prompt_ids + seq.tokens,
-                                       seq.request.params, self._budget(seq))  # fmt: skip
+        payload = api.generate_payload(
+            seq.rid, seq.request.prompt_ids + seq.tokens, seq.request.params, self._budget(seq)
+        )
         url, seen, reason = server.server.url, 0, None
         async with self._session.post(f"{url}/generate", json=payload) as resp:
             if resp.status != 200:
@@ -389,8 +399,9 @@ def generator_engine(cfg, model_path: str, worker_id: str) -> RemoteEngine:
     """A generator's remote engine (``cfg`` is its ``RolloutConfig``): server logs go to
     ``RUN_DIR/logs/generator_ID_serverI.log``, and the server URLs to
     ``RUN_DIR/endpoints/servers-ID.json`` (read by the trainer's NCCL publisher)."""
-    engine = RemoteEngine(model_path, cfg.engine, log_dir=Path(cfg.run_dir) / "logs",
-                          name=f"generator_{worker_id}")  # fmt: skip
+    engine = RemoteEngine(
+        model_path, cfg.engine, log_dir=Path(cfg.run_dir) / "logs", name=f"generator_{worker_id}"
+    )
     write_endpoints(
         cfg.run_dir, f"servers-{worker_id}", {str(i): url for i, url in enumerate(engine.urls)}
     )

@@ -60,13 +60,17 @@ class ServerUpdates:
         try:
             # Pausing ends the requests in flight (finish reason abort; they are resent).
             await self._post(state, "/pause_generation", {"mode": "abort"})
-            body = await self._post(state, "/update_weights_from_disk",
-                                    {"model_path": path, "weight_version": str(version)})  # fmt: skip
+            body = await self._post(
+                state,
+                "/update_weights_from_disk",
+                {"model_path": path, "weight_version": str(version)},
+            )
             if body is not None and body.get("success", True):
                 state.version = max(state.version, version)
             else:
-                log.warning("%s did not load weights v%d from %s: %s", state.server.url,
-                            version, path, body)  # fmt: skip
+                log.warning(
+                    "%s did not load weights v%d from %s: %s", state.server.url, version, path, body
+                )
         finally:
             await self._post(state, "/continue_generation", {})
             state.updating = False

@@ -51,11 +51,14 @@ def sample(
         if bool((top_k > 0).any() or (top_p < 1.0).any()):
             scaled = _truncate(scaled, top_k, top_p)
         if any(g is not None for g in generators):
-            uniform = torch.stack([
-                torch.rand(logits.shape[-1], generator=g, device=device) if g is not None
-                else torch.rand(logits.shape[-1], device=device)
-                for g in generators
-            ])  # fmt: skip
+            uniform = torch.stack(
+                [
+                    torch.rand(logits.shape[-1], generator=g, device=device)
+                    if g is not None
+                    else torch.rand(logits.shape[-1], device=device)
+                    for g in generators
+                ]
+            )
         else:  # no seeded row: one draw for the batch (a row per request costs a call each)
             uniform = torch.rand(logits.shape, device=device)
         gumbel = -torch.log(-torch.log(uniform.clamp_(1e-20, 1.0 - 1e-7)))

@@ -200,27 +200,31 @@ async def get_weight_version(request: web.Request) -> web.Response:
 
 async def get_model_info(request: web.Request) -> web.Response:
     server = request.app[SERVER]
-    return _json({
-        "model_path": server.model_path,
-        "tokenizer_path": server.tokenizer_path,
-        "is_generation": True,
-        "preferred_sampling_params": None,
-        "weight_version": server.weight_version,
-    })  # fmt: skip
+    return _json(
+        {
+            "model_path": server.model_path,
+            "tokenizer_path": server.tokenizer_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": server.weight_version,
+        }
+    )
 
 
 async def get_server_info(request: web.Request) -> web.Response:
     server = request.app[SERVER]
     stats = {**server.engine.stats(), "paused": server.paused}
-    return _json({
-        "model_path": server.model_path,
-        "tokenizer_path": server.tokenizer_path,
-        "max_running_requests": server.engine.cfg.max_slots,
-        "context_length": server.engine.max_seq_len,
-        "weight_version": server.weight_version,
-        "internal_states": [stats],
-        "version": "asyncrl-embedded",
-    })  # fmt: skip
+    return _json(
+        {
+            "model_path": server.model_path,
+            "tokenizer_path": server.tokenizer_path,
+            "max_running_requests": server.engine.cfg.max_slots,
+            "context_length": server.engine.max_seq_len,
+            "weight_version": server.weight_version,
+            "internal_states": [stats],
+            "version": "asyncrl-embedded",
+        }
+    )
 
 
 async def health(request: web.Request) -> web.Response:

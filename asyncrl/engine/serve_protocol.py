@@ -73,14 +73,29 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "spaces_between_special_tokens": (True, False),
 }
 _IMPLEMENTED = {
-    "max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "sampling_seed",
-    "stream_interval", "skip_special_tokens", "no_stop_trim",
-}  # fmt: skip
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop_token_ids",
+    "sampling_seed",
+    "stream_interval",
+    "skip_special_tokens",
+    "no_stop_trim",
+}
 # Top-level GenerateReqInput fields the embedded engine cannot honour when set.
 _UNSUPPORTED_INPUTS = (
-    "input_embeds", "image_data", "video_data", "audio_data", "lora_path", "lora_id",
-    "session_params", "custom_logit_processor", "token_ids_logprob", "bootstrap_host",
-)  # fmt: skip
+    "input_embeds",
+    "image_data",
+    "video_data",
+    "audio_data",
+    "lora_path",
+    "lora_id",
+    "session_params",
+    "custom_logit_processor",
+    "token_ids_logprob",
+    "bootstrap_host",
+)
 
 
 def _is_int(value: Any) -> bool:

@@ -110,23 +110,54 @@ class Server:
 
 
 def server_command(
-    cfg: RemoteEngineConfig, model_path: str, port: int, index: int, version: int,
-    max_seq_len: int, threads: int,
-) -> list[str]:  # fmt: skip
+    cfg: RemoteEngineConfig,
+    model_path: str,
+    port: int,
+    index: int,
+    version: int,
+    max_seq_len: int,
+    threads: int,
+) -> list[str]:
     """The command line that launches server ``index`` on ``port``."""
     # --weight-version: responses then carry meta_info.weight_version = the asyncrl version.
     if cfg.server == "sglang":
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
-               "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(cfg.tp_size),
-               "--base-gpu-id", str(index * cfg.tp_size), "--weight-version", str(version)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            model_path,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--tp-size",
+            str(cfg.tp_size),
+            "--base-gpu-id",
+            str(index * cfg.tp_size),
+            "--weight-version",
+            str(version),
+        ]
         if cfg.mem_fraction_static:
             cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
         if max_seq_len:
             cmd += ["--context-length", str(max_seq_len)]
     else:
-        cmd = [sys.executable, "-m", "asyncrl.engine.serve", "--model", model_path,
-               "--host", "127.0.0.1", "--port", str(port), "--max-slots", str(cfg.max_inflight),
-               "--weight-version", str(version)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "asyncrl.engine.serve",
+            "--model",
+            model_path,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--max-slots",
+            str(cfg.max_inflight),
+            "--weight-version",
+            str(version),
+        ]
         if max_seq_len:
             cmd += ["--max-seq-len", str(max_seq_len)]
         if threads:
@@ -148,9 +179,14 @@ def _die_with_parent() -> None:
 
 
 def launch_servers(
-    cfg: RemoteEngineConfig, model_path: str, log_dir: Path, name: str, version: int = 0,
-    max_seq_len: int = 0, threads: int = 0,
-) -> list[Server]:  # fmt: skip
+    cfg: RemoteEngineConfig,
+    model_path: str,
+    log_dir: Path,
+    name: str,
+    version: int = 0,
+    max_seq_len: int = 0,
+    threads: int = 0,
+) -> list[Server]:
     """Start ``cfg.num_servers`` servers (each in its own process group, logging to
     ``log_dir/NAME_serverI.log``); call from the main thread (the death signal follows the
     launching thread)."""
@@ -163,8 +199,13 @@ def launch_servers(
         with open(log_path, "ab") as log:
             log.write(f"$ {' '.join(cmd)}\n".encode())
             log.flush()
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    preexec_fn=_die_with_parent)  # fmt: skip
+            proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
         servers.append(Server(f"http://127.0.0.1:{port}", proc, log_path))
     return servers
 

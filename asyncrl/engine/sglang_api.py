@@ -47,14 +47,22 @@ def generate_payload(
 ) -> dict:
     """The body of a streaming ``/generate`` request. ``params.seed`` is not sent: sglang
     seeds per server (a per-request seed needs its deterministic mode)."""
-    sampling = {"max_new_tokens": max_new_tokens, "temperature": params.temperature,
-                "top_p": params.top_p}  # fmt: skip
+    sampling = {
+        "max_new_tokens": max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+    }
     if params.top_k > 0:
         sampling["top_k"] = params.top_k
     if params.stop_token_ids:
         sampling["stop_token_ids"] = list(params.stop_token_ids)
-    return {"rid": rid, "input_ids": input_ids, "sampling_params": sampling,
-            "return_logprob": True, "stream": True}  # fmt: skip
+    return {
+        "rid": rid,
+        "input_ids": input_ids,
+        "sampling_params": sampling,
+        "return_logprob": True,
+        "stream": True,
+    }
 
 
 async def events(lines: AsyncIterator[bytes]) -> AsyncIterator[dict]:
@@ -81,8 +89,10 @@ def new_tokens(meta: dict, seen: int, version: int) -> tuple[list[tuple[int, flo
     versions = meta.get("output_token_versions")
     if not versions or len(versions) < new:
         versions = [version] * new
-    out = [(int(entry[1]), float(entry[0]), as_version(v, version))
-           for entry, v in zip(entries[-new:], versions[-new:])]  # fmt: skip
+    out = [
+        (int(entry[1]), float(entry[0]), as_version(v, version))
+        for entry, v in zip(entries[-new:], versions[-new:])
+    ]
     return out, seen + new
 
 

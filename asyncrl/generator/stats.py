@@ -39,8 +39,11 @@ def step_time_stats(prefix: str, seconds: Sequence[float]) -> dict[str, float]:
         return {}
     ms = np.asarray(seconds, dtype=np.float64) * 1000.0
     p50, p99 = np.percentile(ms, [50, 99])
-    return {f"{prefix}_ms_mean": float(ms.mean()), f"{prefix}_ms_p50": float(p50),
-            f"{prefix}_ms_p99": float(p99)}  # fmt: skip
+    return {
+        f"{prefix}_ms_mean": float(ms.mean()),
+        f"{prefix}_ms_p50": float(p50),
+        f"{prefix}_ms_p99": float(p99),
+    }
 
 
 def batch_bucket(sequences: int) -> int:

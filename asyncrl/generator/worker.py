@@ -150,9 +150,14 @@ class GeneratorWorker:
         now = time.time()
         for lease in msg.leases:
             s = lease.sampling
-            params = SamplingParams(max_new_tokens=max(1, s.max_new_tokens - len(lease.prefix_ids)),
-                                    temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
-                                    stop_token_ids=list(s.stop_token_ids))  # fmt: skip
+            params = SamplingParams(
+                max_new_tokens=max(1, s.max_new_tokens - len(lease.prefix_ids)),
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k,
+                seed=s.seed,
+                stop_token_ids=list(s.stop_token_ids),
+            )
             self.engine.submit(Request(lease.lease_id, lease.prompt_ids + lease.prefix_ids, params))
             self.pending[lease.lease_id] = PendingLease(lease, last_flush=now)
 
@@ -192,8 +197,10 @@ class GeneratorWorker:
     def _close_metrics(self) -> None:
         self._log_window()
         summary = self.stats.summary(int(self.engine.stats()["engine/version"]))
-        self.metrics.write_summary({"worker_id": self.worker_id, **summary},
-                                   name=f"generator_{self.worker_id}_summary.json")  # fmt: skip
+        self.metrics.write_summary(
+            {"worker_id": self.worker_id, **summary},
+            name=f"generator_{self.worker_id}_summary.json",
+        )
         self.metrics.close()
 
     # ---- chunks --------------------------------------------------------------------
@@ -209,9 +216,17 @@ class GeneratorWorker:
                 self._send(p, now, finished=False, reason=None)
 
     def _send(self, p: PendingLease, now: float, finished: bool, reason: str | None) -> None:
-        chunk = Chunk(run_id=self.cfg.run_id, worker_id=self.worker_id, lease_id=p.lease.lease_id, seq=p.seq,
-                      token_ids=p.token_ids, logprobs=p.logprobs, versions=p.versions, finished=finished,
-                      finish_reason=reason)  # fmt: skip
+        chunk = Chunk(
+            run_id=self.cfg.run_id,
+            worker_id=self.worker_id,
+            lease_id=p.lease.lease_id,
+            seq=p.seq,
+            token_ids=p.token_ids,
+            logprobs=p.logprobs,
+            versions=p.versions,
+            finished=finished,
+            finish_reason=reason,
+        )
         self.push.send(encode(chunk))
         self.tokens_sent += len(p.token_ids)
         p.seq, p.last_flush = p.seq + 1, now
@@ -220,9 +235,14 @@ class GeneratorWorker:
     def _heartbeat(self) -> None:
         stats = self.engine.stats()
         bad = sum(self.decoder.errors.values()) + sum(self.weights_decoder.errors.values())
-        beat = Heartbeat(run_id=self.cfg.run_id, worker_id=self.worker_id, kind="generator",
-                         version=int(stats["engine/version"]), running=int(stats["engine/running"]),
-                         counters={"tokens_sent": float(self.tokens_sent), "bad_frames": float(bad)})  # fmt: skip
+        beat = Heartbeat(
+            run_id=self.cfg.run_id,
+            worker_id=self.worker_id,
+            kind="generator",
+            version=int(stats["engine/version"]),
+            running=int(stats["engine/running"]),
+            counters={"tokens_sent": float(self.tokens_sent), "bad_frames": float(bad)},
+        )
         self.push.send(encode(beat))
 
     # ---- weights -------------------------------------------------------------------
@@ -236,8 +256,9 @@ class GeneratorWorker:
                 continue
             endpoint = endpoints["weights"]
             t = self.cfg.transport
-            sub = client_socket(self.ctx, zmq.SUB, t, self.cfg.run_dir,
-                                max_message_bytes=t.max_weights_bytes)  # fmt: skip
+            sub = client_socket(
+                self.ctx, zmq.SUB, t, self.cfg.run_dir, max_message_bytes=t.max_weights_bytes
+            )
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             sub.connect(endpoint)
             last_check = time.monotonic()

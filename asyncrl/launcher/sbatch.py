@@ -74,16 +74,21 @@ def check_layout(
     if opts.train_nodes < 1 or opts.gen_nodes < 0:
         raise LayoutError("--train-nodes must be at least 1 and --gen-nodes at least 0")
     if max(opts.train_nodes, opts.gen_nodes) > opts.total_nodes:
-        raise LayoutError(f"{opts.total_nodes} nodes cannot hold {opts.gen_nodes} generator "
-                          f"and {opts.train_nodes} trainer nodes")  # fmt: skip
+        raise LayoutError(
+            f"{opts.total_nodes} nodes cannot hold {opts.gen_nodes} generator "
+            f"and {opts.train_nodes} trainer nodes"
+        )
     if len(ranks) % opts.train_nodes:
-        raise LayoutError(f"trainer.num_ranks={len(ranks)} does not split evenly over "
-                          f"{opts.train_nodes} trainer nodes")  # fmt: skip
+        raise LayoutError(
+            f"trainer.num_ranks={len(ranks)} does not split evenly over "
+            f"{opts.train_nodes} trainer nodes"
+        )
     if generators and opts.gen_nodes == 0:
         raise LayoutError(f"{len(generators)} generator(s) need --gen-nodes of at least 1")
     if opts.gen_nodes > max(len(generators), 1 if others else 0):  # a node would sit idle
-        raise LayoutError(f"--gen-nodes {opts.gen_nodes} but the experiment starts "
-                          f"{len(generators)} generator(s)")  # fmt: skip
+        raise LayoutError(
+            f"--gen-nodes {opts.gen_nodes} but the experiment starts {len(generators)} generator(s)"
+        )
     if len({(p.module, tuple(p.args), p.threads) for p in ranks}) != 1:
         raise LayoutError(
             "trainer ranks differ in module, arguments or threads; one torchrun cannot start them"
@@ -122,8 +127,16 @@ def side_steps(
             # The buffer is an event loop: it shares its node's CPUs instead of taking one
             # from a generator (a node's CPUs are often all spoken for).
             resources = [f"--cpus-per-task={threads}", "--overlap"]
-        srun = ["srun", f"--job-name={spec.name}", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--exact",
-                *resources, f"--export=ALL,OMP_NUM_THREADS={threads}"]  # fmt: skip
+        srun = [
+            "srun",
+            f"--job-name={spec.name}",
+            "--nodes=1",
+            "--ntasks=1",
+            f"--nodelist={node}",
+            "--exact",
+            *resources,
+            f"--export=ALL,OMP_NUM_THREADS={threads}",
+        ]
         command = [python, "-m", spec.module, *spec.args]
         lines.append(" ".join([spec.name, policy, *srun, *map(heredoc_word, command)]))
     return lines, generator_cpus
@@ -138,8 +151,10 @@ def check_cpus(generator_cpus: list[int], trainer_cpus: int, opts: SlurmOptions)
             trainer_cpus if node >= head else 0
         )
         if want > opts.cpus_per_task:
-            raise LayoutError(f"node {node} of the job needs {want} CPUs for its steps but "
-                              f"--cpus-per-task is {opts.cpus_per_task}")  # fmt: skip
+            raise LayoutError(
+                f"node {node} of the job needs {want} CPUs for its steps but "
+                f"--cpus-per-task is {opts.cpus_per_task}"
+            )
 
 
 def trainer_step(
@@ -157,15 +172,30 @@ def trainer_step(
         node_cpus = opts.cpus_per_task or "$SLURM_CPUS_ON_NODE"
         cpus = f"$(({node_cpus} - {shared_cpus}))"
         threads = f"$((({node_cpus} - {shared_cpus}) / {per_node}))"
-    srun = ["srun", "--job-name=trainer", f"--nodes={opts.train_nodes}", f"--ntasks={opts.train_nodes}",
-            "--ntasks-per-node=1", "--nodelist=$TRAIN_NODELIST", "--exact", f"--cpus-per-task={cpus}",
-            *([f"--gpus-per-task={per_node}"] if opts.gpus_per_node else []),
-            *(["--label"] if opts.train_nodes > 1 else []),
-            # One torchrun dying takes the step down rather than leaving its peers waiting.
-            "--kill-on-bad-exit=1", f"--export=ALL,OMP_NUM_THREADS={threads}"]  # fmt: skip
-    torchrun = [heredoc_word(torchrun_path()), f"--nnodes={opts.train_nodes}", f"--nproc-per-node={per_node}",
-                "--rdzv-backend=c10d", "--rdzv-endpoint=$TRAIN_HEAD:$RDZV_PORT", "--rdzv-id=$SLURM_JOB_ID",
-                "--max-restarts=0"]  # fmt: skip
+    srun = [
+        "srun",
+        "--job-name=trainer",
+        f"--nodes={opts.train_nodes}",
+        f"--ntasks={opts.train_nodes}",
+        "--ntasks-per-node=1",
+        "--nodelist=$TRAIN_NODELIST",
+        "--exact",
+        f"--cpus-per-task={cpus}",
+        *([f"--gpus-per-task={per_node}"] if opts.gpus_per_node else []),
+        *(["--label"] if opts.train_nodes > 1 else []),
+        # One torchrun dying takes the step down rather than leaving its peers waiting.
+        "--kill-on-bad-exit=1",
+        f"--export=ALL,OMP_NUM_THREADS={threads}",
+    ]
+    torchrun = [
+        heredoc_word(torchrun_path()),
+        f"--nnodes={opts.train_nodes}",
+        f"--nproc-per-node={per_node}",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=$TRAIN_HEAD:$RDZV_PORT",
+        "--rdzv-id=$SLURM_JOB_ID",
+        "--max-restarts=0",
+    ]
     command = ["-m", ranks[0].module, *ranks[0].args]
     return " ".join(["trainer", "final", *srun, *torchrun, *map(heredoc_word, command)])
 

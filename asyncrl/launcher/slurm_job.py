@@ -47,8 +47,12 @@ class SlurmStep(Supervised):
         """This step's newest id in the job (None before Slurm has created it). The name
         column is widened: squeue cuts it to 8 characters by default."""
         job = os.environ["SLURM_JOB_ID"]
-        out = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i %200j"],
-                             capture_output=True, text=True, timeout=30).stdout  # fmt: skip
+        out = subprocess.run(
+            ["squeue", "-h", "-s", "-j", job, "-o", "%i %200j"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
         ids = [line.split()[0] for line in out.splitlines() if line.split()[1:] == [self.name]]
         ids = [i for i in ids if i.split(".")[-1].isdigit()]
         return max(ids, key=lambda i: int(i.split(".")[-1]), default=None)
@@ -98,9 +102,17 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["ASYNCRL_LAUNCH_ID"] = (
         f"{os.environ.get('SLURM_JOB_ID', os.getpid())}-{time.time_ns()}"
     )
-    procs = [SlurmStep(name, argv, args.run_dir / "logs" / f"{name}.log", restartable=policy == "restart",
-                       final=policy == "final", echo=policy == "final")
-             for name, policy, argv in steps]  # fmt: skip
+    procs = [
+        SlurmStep(
+            name,
+            argv,
+            args.run_dir / "logs" / f"{name}.log",
+            restartable=policy == "restart",
+            final=policy == "final",
+            echo=policy == "final",
+        )
+        for name, policy, argv in steps
+    ]
     for p in procs:
         say(f"step {p.name}: {shlex.join(p.argv)}")
     code = supervise(procs, grace_s=args.grace_s, stop=stop)

@@ -52,12 +52,16 @@ def add_set_argument(parser) -> None:
 
 def evals_of(run_dir: Path) -> list[tuple[float, float]]:
     """``(trainer seconds, held-out accuracy)`` of every evaluation of a run."""
-    return [(r["time"], r["eval/accuracy"]) for r in read_metrics(run_dir)
-            if r["process"] == "trainer" and "eval/accuracy" in r]  # fmt: skip
+    return [
+        (r["time"], r["eval/accuracy"])
+        for r in read_metrics(run_dir)
+        if r["process"] == "trainer" and "eval/accuracy" in r
+    ]
 
 
-def run_points(experiment: str, points: list[Point], study_dir: Path, targets: list[float],
-               timeout_s: float) -> list[dict[str, Any]]:  # fmt: skip
+def run_points(
+    experiment: str, points: list[Point], study_dir: Path, targets: list[float], timeout_s: float
+) -> list[dict[str, Any]]:
     """Run each point (or reuse its finished run) and return one result per point: its
     labels, the ``asyncrl.report`` figures, the evaluations and the seconds to each
     accuracy target (None: not reached)."""
@@ -73,16 +77,33 @@ def run_points(experiment: str, points: list[Point], study_dir: Path, targets: l
                 flush=True,
             )
             with open(run_dir / "launch.log", "w") as log:
-                code = subprocess.run([sys.executable, str(ROOT / "launch" / "local.py"), experiment,
-                                       f"run_dir={run_dir}", *point.overrides],
-                                      cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s).returncode  # fmt: skip
+                code = subprocess.run(
+                    [
+                        sys.executable,
+                        str(ROOT / "launch" / "local.py"),
+                        experiment,
+                        f"run_dir={run_dir}",
+                        *point.overrides,
+                    ],
+                    cwd=ROOT,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    timeout=timeout_s,
+                ).returncode
             if code != 0:
                 raise RuntimeError(f"{point.name} exited with {code}; see {run_dir / 'launch.log'}")
             print(f"[study] {point.name} done in {time.time() - started:.0f} s", flush=True)
         evals = evals_of(run_dir)
         figures = report(run_dir, [0, 1, 2, 5, 10])
-        results.append({"name": point.name, **point.labels, **figures, "evals": evals,
-                        "s_to_target": {f"{t:g}": seconds_to(evals, t) for t in targets}})  # fmt: skip
+        results.append(
+            {
+                "name": point.name,
+                **point.labels,
+                **figures,
+                "evals": evals,
+                "s_to_target": {f"{t:g}": seconds_to(evals, t) for t in targets},
+            }
+        )
     return results
 
 

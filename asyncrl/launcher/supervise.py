@@ -51,9 +51,19 @@ class Supervised:
     """One command line of a run: its log, whether a death is repaired by a restart, and
     whether the run ends when it exits (``final``: the trainer)."""
 
-    def __init__(self, name: str, argv: list[str], log_path: Path, *, env: dict[str, str] | None = None,
-                 restartable: bool = False, final: bool = False, echo: bool = False, group: str = "",
-                 max_restarts: int = 20) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        log_path: Path,
+        *,
+        env: dict[str, str] | None = None,
+        restartable: bool = False,
+        final: bool = False,
+        echo: bool = False,
+        group: str = "",
+        max_restarts: int = 20,
+    ) -> None:
         self.name, self.argv, self.log_path, self.env = name, argv, log_path, env
         self.restartable, self.final, self.echo = restartable, final, echo
         self.group, self.max_restarts = group, max_restarts
@@ -67,8 +77,9 @@ class Supervised:
             self.argv, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
         )
         echo = sys.stdout.buffer if self.echo else None  # e.g. rank 0 is shown by the launcher too
-        self.thread = threading.Thread(target=_tee, args=(self.proc.stdout, open(self.log_path, "ab"), echo),
-                                       daemon=True)  # fmt: skip
+        self.thread = threading.Thread(
+            target=_tee, args=(self.proc.stdout, open(self.log_path, "ab"), echo), daemon=True
+        )
         self.thread.start()
         pids = self.log_path.parent.parent / "pids"
         pids.mkdir(exist_ok=True)
@@ -105,8 +116,12 @@ def stop_all(procs: list[Supervised], grace_s: float = 10.0) -> None:
             p.thread.join(timeout=2)
 
 
-def supervise(procs: list[Supervised], grace_s: float = 10.0, stop: threading.Event | None = None,
-              before_restart: Callable[[str], None] | None = None) -> int:  # fmt: skip
+def supervise(
+    procs: list[Supervised],
+    grace_s: float = 10.0,
+    stop: threading.Event | None = None,
+    before_restart: Callable[[str], None] | None = None,
+) -> int:
     """Start ``procs`` and watch them until the final ones have all exited 0 (returns 0),
     something else died (1) or ``stop`` was set, e.g. by a signal handler (143).
     ``before_restart(group)`` runs after a restart group is down, before it starts again
@@ -127,9 +142,11 @@ def supervise(procs: list[Supervised], grace_s: float = 10.0, stop: threading.Ev
                 break  # deaths while stopping are the stop's doing
             if (p.restartable or p.group) and p.restarts < p.max_restarts:
                 group = [q for q in procs if q.group == p.group] if p.group else [p]
-                say(f"{p.name} exited with code {code}; restart {p.restarts + 1} of "
+                say(
+                    f"{p.name} exited with code {code}; restart {p.restarts + 1} of "
                     f"{', '.join(q.name for q in group)}; last lines of {p.log_path}:\n"
-                    f"{log_tail(p.log_path, 10)}")  # fmt: skip
+                    f"{log_tail(p.log_path, 10)}"
+                )
                 stop_all([q for q in group if q is not p], grace_s)
                 if p.group and before_restart is not None:
                     before_restart(p.group)

@@ -140,8 +140,9 @@ class SimBuffer:
             return False
         prompt_len = self.retry.popleft() if self.retry else self.prompt_lengths(self.rng)
         group = SimGroup(self.next_group_id, prompt_len)
-        group.samples = [SimSample(group, self.lengths(self.rng))
-                         for _ in range(self.cfg.samples_per_prompt)]  # fmt: skip
+        group.samples = [
+            SimSample(group, self.lengths(self.rng)) for _ in range(self.cfg.samples_per_prompt)
+        ]
         self.groups[group.group_id] = group
         self.next_group_id += 1
         self.prompts_counted += 1

@@ -116,8 +116,10 @@ def fit_thread_scaling(
         one = float(np.mean(ones))
         fits = [(1 - c / one) / (1 - 1 / k) for k, c in others]
         fractions.append(float(np.clip(np.mean(fits), 0.0, 1.0)))
-        notes.append(f"{kind}: speed-up at {[k for k, _ in others]} threads "
-                     f"{[round(one / c, 3) for _, c in others]} -> parallel fraction {fractions[-1]:.3f}")  # fmt: skip
+        notes.append(
+            f"{kind}: speed-up at {[k for k, _ in others]} threads "
+            f"{[round(one / c, 3) for _, c in others]} -> parallel fraction {fractions[-1]:.3f}"
+        )
     return fractions[0], fractions[1], "; ".join(notes)
 
 
@@ -230,21 +232,35 @@ def _generator(params: SimParams, cfg: SimConfig, run_dir: Path, records: list[d
     others = cfg.trainer_threads * cfg.trainer_ranks * trainer_busy
     slowdown = max(1.0, (gen_busy + others) / cfg.cores)
     scale = speedup(threads, params.gen_parallel_fraction) / slowdown
-    for name in ("decode_fixed_s", "decode_per_seq_s", "prefill_per_token_s",
-                 "recompute_per_token_s", "flip_fixed_s"):  # fmt: skip
+    for name in (
+        "decode_fixed_s",
+        "decode_per_seq_s",
+        "prefill_per_token_s",
+        "recompute_per_token_s",
+        "flip_fixed_s",
+    ):
         setattr(params, name, getattr(params, name) * scale)
-    params.notes.append(f"generator: mean batch {mean_batch:.1f}, normalized ×{scale:.3f} "
-                        f"(threads {threads}, slowdown {slowdown:.2f})")  # fmt: skip
+    params.notes.append(
+        f"generator: mean batch {mean_batch:.1f}, normalized ×{scale:.3f} "
+        f"(threads {threads}, slowdown {slowdown:.2f})"
+    )
     return gen_busy
 
 
 def _decode_from_windows(params: SimParams, windows: list[dict]) -> None:
     steps = np.array([w["generator/steps"] for w in windows], dtype=float)
     batch = np.array([w["generator/tokens"] for w in windows]) / steps
-    extra = np.array([
-        w.get("generator/update_steps", 0.0)
-        * (w.get("generator/update_step_ms_mean", 0.0) - w.get("generator/steady_step_ms_mean", 0.0))
-        / 1000.0 for w in windows])  # fmt: skip
+    extra = np.array(
+        [
+            w.get("generator/update_steps", 0.0)
+            * (
+                w.get("generator/update_step_ms_mean", 0.0)
+                - w.get("generator/steady_step_ms_mean", 0.0)
+            )
+            / 1000.0
+            for w in windows
+        ]
+    )
     busy = np.array([w["generator/window_s"] - w["generator/idle_s"] for w in windows]) - extra
     slope, intercept, note = fit_line(
         batch, busy / steps, "fallback: busy s/step vs mean batch", steps
@@ -304,8 +320,9 @@ def _flips(params: SimParams, summaries: list[dict], mean_batch: float) -> None:
     if not updates:
         params.notes.append("flips: no update steps measured; recompute cost left at its default")
         return
-    cached = mean_batch * (mean_length(params.prompt_lengths)
-                           + (mean_length(params.completion_lengths) - 1) / 2)  # fmt: skip
+    cached = mean_batch * (
+        mean_length(params.prompt_lengths) + (mean_length(params.completion_lengths) - 1) / 2
+    )
     per_flip = max(0.0, extra / updates)
     params.flip_fixed_s = 0.0
     params.recompute_per_token_s = per_flip / cached if cached else 0.0
@@ -324,9 +341,11 @@ def _colocated_generation(params: SimParams, cfg: SimConfig, records: list[dict]
     params.decode_fixed_s, params.prefill_per_token_s = 0.0, 0.0
     params.decode_per_seq_s = seconds / tokens * scale
     params.recompute_per_token_s = PREFILL_TO_DECODE * params.decode_per_seq_s
-    params.notes.append(f"colocated generation: {tokens / seconds:.0f} tok/s at "
-                        f"{colocated_threads(cfg)} threads, per token (no per-step figures); "
-                        f"flip and weight sync at defaults")  # fmt: skip
+    params.notes.append(
+        f"colocated generation: {tokens / seconds:.0f} tok/s at "
+        f"{colocated_threads(cfg)} threads, per token (no per-step figures); "
+        f"flip and weight sync at defaults"
+    )
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -178,8 +178,15 @@ def gpu_params(w: Workload, gpu: GpuSpec, trainer_gpus: int, generator_nodes: in
     )
 
 
-def sweep_point(w: Workload, gpu: GpuSpec, total_gpus: int, trainer_gpus: int,
-                max_staleness: int | None, colocated: bool = False, steps: int = 16) -> dict[str, Any]:  # fmt: skip
+def sweep_point(
+    w: Workload,
+    gpu: GpuSpec,
+    total_gpus: int,
+    trainer_gpus: int,
+    max_staleness: int | None,
+    colocated: bool = False,
+    steps: int = 16,
+) -> dict[str, Any]:
     """Simulate one split (or the colocated placement on every GPU) for at least ``steps``
     trainer steps, and ``2·(η + 2)`` (40 unbounded) so that throughput is read over the second
     half, after the first η batches' warm-up."""
@@ -190,14 +197,25 @@ def sweep_point(w: Workload, gpu: GpuSpec, total_gpus: int, trainer_gpus: int,
     train_on = total_gpus if colocated else trainer_gpus
     nodes = max(1, math.ceil(gen_gpus / gpu.gpus_per_node))
     params = gpu_params(w, gpu, train_on, nodes)
-    cfg = SimConfig(placement="colocated" if colocated else "async", num_generators=1,
-                    engine_slots=slots, engine_replicas=max(1, engines), engine_threads=1,
-                    max_prefill_tokens=max(16384, 4 * w.prompt_tokens), trainer_ranks=1,
-                    trainer_threads=1, prompts_per_batch=w.prompts_per_batch,
-                    samples_per_prompt=w.samples_per_prompt,
-                    max_staleness=0 if colocated else max_staleness, dynamic_sampling=True,
-                    max_new_tokens=w.response_max, eval_every=0, cores=1 << 30,
-                    duration_s=1e7, max_steps=steps)  # fmt: skip
+    cfg = SimConfig(
+        placement="colocated" if colocated else "async",
+        num_generators=1,
+        engine_slots=slots,
+        engine_replicas=max(1, engines),
+        engine_threads=1,
+        max_prefill_tokens=max(16384, 4 * w.prompt_tokens),
+        trainer_ranks=1,
+        trainer_threads=1,
+        prompts_per_batch=w.prompts_per_batch,
+        samples_per_prompt=w.samples_per_prompt,
+        max_staleness=0 if colocated else max_staleness,
+        dynamic_sampling=True,
+        max_new_tokens=w.response_max,
+        eval_every=0,
+        cores=1 << 30,
+        duration_s=1e7,
+        max_steps=steps,
+    )
     if colocated:  # weights stay in the process: no transfer, no publish
         params = dataclasses.replace(params, publish_s=0.0, weight_sync_s=0.0)
     sim = run_simulation(params, cfg)
@@ -211,18 +229,23 @@ def sweep_point(w: Workload, gpu: GpuSpec, total_gpus: int, trainer_gpus: int,
     return {
         "placement": "colocated" if colocated else "async",
         "max_staleness": 0 if colocated else max_staleness,
-        "total_gpus": total_gpus, "trainer_gpus": train_on, "generator_gpus": gen_gpus,
-        "tp": tp, "engines": engines, "slots_per_engine": slots,
+        "total_gpus": total_gpus,
+        "trainer_gpus": train_on,
+        "generator_gpus": gen_gpus,
+        "tp": tp,
+        "engines": engines,
+        "slots_per_engine": slots,
         "trained_tokens_per_s": tokens / span if span > 0 else 0.0,
         "trained_tokens_per_s_per_gpu": tokens / span / total_gpus if span > 0 else 0.0,
         "step_s": span / (len(ends) - warm) if len(ends) > warm else None,
         "generator_idle_fraction": 1 - sum(g.busy_s for g in sim.generators) / t,
-        "generator_slot_fill": sum(g.batch_s for g in sim.generators) / (sum(g.slots for g in sim.generators) * t),
+        "generator_slot_fill": sum(g.batch_s for g in sim.generators)
+        / (sum(g.slots for g in sim.generators) * t),
         "trainer_idle_fraction": sim.trainer.wait_s / t,
         "mean_staleness": sum(k * v for k, v in hist.items()) / consumed if consumed else 0.0,
         "weight_sync_s": params.weight_sync_s,
         "publish_s": params.publish_s,
-    }  # fmt: skip
+    }
 
 
 def split_candidates(w: Workload, gpu: GpuSpec, total_gpus: int, points: int = 7) -> list[int]:
@@ -239,9 +262,13 @@ def split_candidates(w: Workload, gpu: GpuSpec, total_gpus: int, points: int = 7
     return sorted(out)
 
 
-def sweep(w: Workload, gpu: GpuSpec, total_gpus: int, etas: list[int | None],
-          steps: int = 16) -> list[dict[str, Any]]:  # fmt: skip
-    rows = [sweep_point(w, gpu, total_gpus, t, eta, steps=steps)
-            for t in split_candidates(w, gpu, total_gpus) for eta in etas]  # fmt: skip
+def sweep(
+    w: Workload, gpu: GpuSpec, total_gpus: int, etas: list[int | None], steps: int = 16
+) -> list[dict[str, Any]]:
+    rows = [
+        sweep_point(w, gpu, total_gpus, t, eta, steps=steps)
+        for t in split_candidates(w, gpu, total_gpus)
+        for eta in etas
+    ]
     rows.append(sweep_point(w, gpu, total_gpus, total_gpus, 0, colocated=True, steps=steps))
     return rows

@@ -276,8 +276,11 @@ class Trainer:
         p, per_rank = self.params, tokens / self.ranks
         prep = p.prep_fixed_s + p.prep_per_token_s * per_rank
         train = p.train_fixed_s + p.train_per_token_s * per_rank
-        self._phase("prep", prep / self.speed, lambda: self._phase(
-            "train", train / self.speed, lambda: self._publish(tokens)))  # fmt: skip
+        self._phase(
+            "prep",
+            prep / self.speed,
+            lambda: self._phase("train", train / self.speed, lambda: self._publish(tokens)),
+        )
 
     def _phase(self, name: str, work_s: float, then: Callable[[], None]) -> None:
         start = self.sim.loop.now
@@ -331,8 +334,9 @@ class Simulation:
         else:
             self.server = BufferServer(self)
             self.trainer = Trainer(self, cfg.trainer_threads, cfg.trainer_ranks)
-            self.generators = [Generator(f"g{i}", self, generator_threads(cfg))
-                               for i in range(cfg.num_generators)]  # fmt: skip
+            self.generators = [
+                Generator(f"g{i}", self, generator_threads(cfg)) for i in range(cfg.num_generators)
+            ]
 
     def start(self) -> None:
         if self.server is None:

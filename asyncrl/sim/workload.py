@@ -34,9 +34,11 @@ def calibrate_workload(
             dict(lengths), mean_completion or mean_length(lengths)
         )
         params.prompt_lengths = dict(prompts)
-        params.notes.append(f"lengths: {sum(lengths.values())} finished samples in buffer_state "
-                            f"(mean {mean_length(lengths):.3f}), tilted to the counters' mean "
-                            f"{mean_length(params.completion_lengths):.3f}")  # fmt: skip
+        params.notes.append(
+            f"lengths: {sum(lengths.values())} finished samples in buffer_state "
+            f"(mean {mean_length(lengths):.3f}), tilted to the counters' mean "
+            f"{mean_length(params.completion_lengths):.3f}"
+        )
     elif mean_completion:
         params.completion_lengths = two_point(mean_completion)
         trainer = [r for r in records if r["process"] == "trainer" and "train/tokens" in r]
@@ -44,8 +46,10 @@ def calibrate_workload(
             cfg.prompts_per_batch * cfg.samples_per_prompt
         )
         params.prompt_lengths = two_point(max(1.0, per_sample - mean_completion))
-        params.notes.append(f"lengths: two-point histograms with the counters' mean completion "
-                            f"{mean_completion:.3f} and prompt {per_sample - mean_completion:.2f}")  # fmt: skip
+        params.notes.append(
+            f"lengths: two-point histograms with the counters' mean completion "
+            f"{mean_completion:.3f} and prompt {per_sample - mean_completion:.2f}"
+        )
     params.filter_schedule = filter_schedule(records) if cfg.dynamic_sampling else [(0, 0.0)]
 
 

@@ -201,9 +201,14 @@ class ColocatedRollout:
             s = lease.sampling
             # A lease carries a prefix only when re-issued, which never happens in one
             # process (nothing expires it); handled anyway, as a generator does.
-            params = SamplingParams(max_new_tokens=max(1, s.max_new_tokens - len(lease.prefix_ids)),
-                                    temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
-                                    stop_token_ids=list(s.stop_token_ids))  # fmt: skip
+            params = SamplingParams(
+                max_new_tokens=max(1, s.max_new_tokens - len(lease.prefix_ids)),
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k,
+                seed=s.seed,
+                stop_token_ids=list(s.stop_token_ids),
+            )
             try:
                 self.engine.submit(
                     Request(lease.lease_id, lease.prompt_ids + lease.prefix_ids, params)
@@ -221,7 +226,15 @@ class ColocatedRollout:
             self._finish(p, reason)
 
     def _finish(self, p: PendingLease, reason: str) -> None:
-        chunk = Chunk(run_id=self.run_id, worker_id=WORKER_ID, lease_id=p.lease.lease_id, seq=0,
-                      token_ids=p.token_ids, logprobs=p.logprobs, versions=p.versions, finished=True,
-                      finish_reason=reason)  # fmt: skip
+        chunk = Chunk(
+            run_id=self.run_id,
+            worker_id=WORKER_ID,
+            lease_id=p.lease.lease_id,
+            seq=0,
+            token_ids=p.token_ids,
+            logprobs=p.logprobs,
+            versions=p.versions,
+            finished=True,
+            finish_reason=reason,
+        )
         self.buffer.on_chunk(chunk, time.time())  # scores inline, or queues for the pool

@@ -108,6 +108,15 @@ def trainer_ranks(cfg, config_path: str, group: str = "") -> list[ProcessSpec]:
     together from the newest checkpoint when one dies (see ``ProcessSpec.group``)."""
     n = cfg.trainer.num_ranks
     threads = threads_for(cfg.trainer.threads_per_rank, n)
-    return [ProcessSpec(f"trainer_{r}", cfg.entry, ["--config", config_path], rank=r, threads=threads,
-                        group=group, max_restarts=5)
-            for r in range(n)]  # fmt: skip
+    return [
+        ProcessSpec(
+            f"trainer_{r}",
+            cfg.entry,
+            ["--config", config_path],
+            rank=r,
+            threads=threads,
+            group=group,
+            max_restarts=5,
+        )
+        for r in range(n)
+    ]

@@ -104,15 +104,23 @@ class Critic:
         return_var, error_var = r2 / n - (r1 / n) ** 2, e2 / n - (e1 / n) ** 2
         # 1 − Var(R − V)/Var(R); undefined when every return is equal, logged as 0 then.
         explained = 1.0 - error_var / return_var if return_var > 1e-12 else 0.0
-        return {"critic/value_mean": v1 / n, "critic/return_mean": r1 / n,
-                "critic/advantage_std": adv_std, "critic/explained_variance": explained}  # fmt: skip
+        return {
+            "critic/value_mean": v1 / n,
+            "critic/return_mean": r1 / n,
+            "critic/advantage_std": adv_std,
+            "critic/explained_variance": explained,
+        }
 
     def train(self, micro: list[MicroBatch]) -> dict[str, float]:
         """``steps_per_batch`` steps of the clipped value loss toward ``returns``."""
         for _ in range(self.cfg.steps_per_batch):
             stats = self.core.train_step(micro, self._loss)
-        return {"critic/value_loss": stats.loss, "critic/grad_norm": stats.grad_norm,
-                "critic/lr": stats.lr, **stats.metrics}  # fmt: skip
+        return {
+            "critic/value_loss": stats.loss,
+            "critic/grad_norm": stats.grad_norm,
+            "critic/lr": stats.lr,
+            **stats.metrics,
+        }
 
     def _loss(self, head: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict]:
         f = mb.fields

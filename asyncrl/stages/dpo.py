@@ -93,8 +93,10 @@ class DPOStage(PairStage):
             refs = [self.cached[split][i] for i in indices]
         else:
             refs = self._compute(pairs)
-        return [(replace(c, fields={"ref_logprobs": rc}), replace(r, fields={"ref_logprobs": rr}))
-                for (c, r), (rc, rr) in zip(pairs, refs)]  # fmt: skip
+        return [
+            (replace(c, fields={"ref_logprobs": rc}), replace(r, fields={"ref_logprobs": rr}))
+            for (c, r), (rc, rr) in zip(pairs, refs)
+        ]
 
     def loss(
         self, logits: torch.Tensor, mb: MicroBatch

@@ -221,8 +221,12 @@ class PairStage:
         return {}
 
 
-def run_pair_stage(cfg: PairStageExperiment, info: DistInfo, model: ModelConfig,
-                   make_stage: Callable[[PairData, PairData], PairStage]) -> dict:  # fmt: skip
+def run_pair_stage(
+    cfg: PairStageExperiment,
+    info: DistInfo,
+    model: ModelConfig,
+    make_stage: Callable[[PairData, PairData], PairStage],
+) -> dict:
     """One trainer rank of a preference stage: make the pairs if missing, load them, build
     the core on ``model`` and the stage on the (train, held-out) pairs, train."""
     ensure_pairs(cfg, info)
@@ -236,8 +240,15 @@ def run_pair_stage(cfg: PairStageExperiment, info: DistInfo, model: ModelConfig,
     return summary
 
 
-def train_on_pairs(cfg: PairStageExperiment, info: DistInfo, core: TrainerCore, stage: PairStage,
-                   data: PairData, held_out: PairData, log: MetricsLogger) -> dict:  # fmt: skip
+def train_on_pairs(
+    cfg: PairStageExperiment,
+    info: DistInfo,
+    core: TrainerCore,
+    stage: PairStage,
+    data: PairData,
+    held_out: PairData,
+    log: MetricsLogger,
+) -> dict:
     """The loop of both preference stages: a global batch of pairs, my share, packed in
     whole pairs, one step normalized by the global pair count; periodic held-out
     evaluation, checkpoints, and the HF export at the end. Resumes from the newest
@@ -264,8 +275,13 @@ def train_on_pairs(cfg: PairStageExperiment, info: DistInfo, core: TrainerCore, 
         position += cfg.batch_size
         micro = pair_micro_batches(stage.with_fields("train", mine), cfg.trainer, pad_id)
         stats = core.train_step(micro, stage.loss, local_normalizer=float(len(mine)))
-        scalars = {"train/loss": stats.loss, "train/grad_norm": stats.grad_norm, "train/lr": stats.lr,
-                   "train/tokens_per_s": stats.tokens / stats.seconds, **stats.metrics}  # fmt: skip
+        scalars = {
+            "train/loss": stats.loss,
+            "train/grad_norm": stats.grad_norm,
+            "train/lr": stats.lr,
+            "train/tokens_per_s": stats.tokens / stats.seconds,
+            **stats.metrics,
+        }
         stop = out_of_time(start, cfg.time_limit_s, info)
         last = core.step >= cfg.max_steps or stop
         if cfg.eval.every_steps and (core.step % cfg.eval.every_steps == 0 or last):
@@ -277,8 +293,12 @@ def train_on_pairs(cfg: PairStageExperiment, info: DistInfo, core: TrainerCore, 
             save_checkpoint(core, ckpt_root, {"position": position}, cfg.trainer.keep_checkpoints)
     export_hf(core, cfg.export_dir)
     final = {k: v for k, v in scalars.items() if k.startswith("eval/")}
-    summary = {"steps": core.step, "train_time_s": round(time.time() - start, 2),
-               "initial": {k: v for k, v in initial.items() if k.startswith("eval/")},
-               "final": final, "export_dir": cfg.export_dir}  # fmt: skip
+    summary = {
+        "steps": core.step,
+        "train_time_s": round(time.time() - start, 2),
+        "initial": {k: v for k, v in initial.items() if k.startswith("eval/")},
+        "final": final,
+        "export_dir": cfg.export_dir,
+    }
     log.write_summary(summary)
     return summary

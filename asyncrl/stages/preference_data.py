@@ -157,10 +157,14 @@ def grade_split(
     prompt_ids = [tokenizer(ex.prompt, add_special_tokens=False)["input_ids"] for ex in examples]
     prompts = [prompt_ids[i] for i in range(len(examples)) for _ in range(n)]
     params = [
-        SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                       seed=sample_seed(cfg.seed, split, i, j))
-        for i in range(len(examples)) for j in range(n)
-    ]  # fmt: skip
+        SamplingParams(
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            seed=sample_seed(cfg.seed, split, i, j),
+        )
+        for i in range(len(examples))
+        for j in range(n)
+    ]
     completions = sample_completions(engine, prompts, params, cfg.max_slots)
     graded = []
     for i, ex in enumerate(examples):
@@ -235,8 +239,9 @@ def make_preference_data(policy_dir: str, task_cfg: TaskConfig, cfg: PreferenceD
     # Held out must be held out: an eval prompt among the train prompts is dropped.
     train_prompts = {ex.prompt for ex in train}
     evals = [ex for ex in task.examples("eval") if ex.prompt not in train_prompts]
-    longest = max(len(tokenizer(ex.prompt, add_special_tokens=False)["input_ids"])
-                  for ex in [*train, *evals])  # fmt: skip
+    longest = max(
+        len(tokenizer(ex.prompt, add_special_tokens=False)["input_ids"]) for ex in [*train, *evals]
+    )
     engine_cfg = EngineConfig(max_slots=cfg.max_slots, max_seq_len=longest + cfg.max_new_tokens)
     engine = EmbeddedEngine(policy_dir, engine_cfg)
     stats: dict = {"policy": policy_dir, "task": task.name, "prompt_split": cfg.prompt_split}
@@ -246,8 +251,9 @@ def make_preference_data(policy_dir: str, task_cfg: TaskConfig, cfg: PreferenceD
             ("eval", "eval", evals, cfg.eval_path),
         ):
             graded = grade_split(engine, tokenizer, task, examples, split, cfg)
-            rows = _rows(graded, cfg.max_pairs_per_prompt,
-                         cfg.train_pairing if name == "train" else "zip")  # fmt: skip
+            rows = _rows(
+                graded, cfg.max_pairs_per_prompt, cfg.train_pairing if name == "train" else "zip"
+            )
             if not rows:
                 log.warning(
                     "no %s pairs: no prompt had both a correct and an incorrect sample", name

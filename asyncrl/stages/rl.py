@@ -148,21 +148,27 @@ class RLExperiment:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if self.rl.loss.kl_in_reward and self.rl.algorithm != "ppo":
-            raise ConfigError(f"rl.loss.kl_in_reward puts the KL penalty in PPO's token rewards; "
-                              f"rl.algorithm={self.rl.algorithm} sees one reward per sample: set "
-                              f"rl.algorithm=ppo or rl.loss.kl_in_reward=false (KL in the loss)")  # fmt: skip
+            raise ConfigError(
+                f"rl.loss.kl_in_reward puts the KL penalty in PPO's token rewards; "
+                f"rl.algorithm={self.rl.algorithm} sees one reward per sample: set "
+                f"rl.algorithm=ppo or rl.loss.kl_in_reward=false (KL in the loss)"
+            )
         if self.trainer.share_prefix and (
             self.rl.algorithm == "ppo" or self.trainer.packing != "packed"
         ):
-            raise ConfigError(f"trainer.share_prefix lays out GRPO/RLOO groups as trees over their prompt: "
-                              f"it needs trainer.packing=packed (got {self.trainer.packing}) and no critic "
-                              f"(rl.algorithm={self.rl.algorithm}; PPO's GAE reads flat rows)")  # fmt: skip
+            raise ConfigError(
+                f"trainer.share_prefix lays out GRPO/RLOO groups as trees over their prompt: "
+                f"it needs trainer.packing=packed (got {self.trainer.packing}) and no critic "
+                f"(rl.algorithm={self.rl.algorithm}; PPO's GAE reads flat rows)"
+            )
         if self.placement == "colocated":
             if self.trainer.num_ranks != 1:
                 raise ConfigError("placement=colocated runs one process: set trainer.num_ranks=1")
             if self.engine.backend != "embedded":
-                raise ConfigError("placement=colocated runs the embedded engine in the trainer "
-                                  "process: set engine.backend=embedded or placement=async")  # fmt: skip
+                raise ConfigError(
+                    "placement=colocated runs the embedded engine in the trainer "
+                    "process: set engine.backend=embedded or placement=async"
+                )
             self.buffer.max_staleness = 0  # step i trains only on tokens of version i
         if self.engine.backend == "remote":
             self.check_remote()
@@ -178,11 +184,15 @@ class RLExperiment:
             return
         # The trainer also refuses at start when it finds no CUDA device (device=auto).
         if self.trainer.device == "cpu":
-            raise ConfigError("engine.remote.weight_update=nccl broadcasts from the trainer's GPU, "
-                              "and trainer.device=cpu: use engine.remote.weight_update=disk")  # fmt: skip
+            raise ConfigError(
+                "engine.remote.weight_update=nccl broadcasts from the trainer's GPU, "
+                "and trainer.device=cpu: use engine.remote.weight_update=disk"
+            )
         if remote.urls and self.num_generators > 1:
-            raise ConfigError("engine.remote.weight_update=nccl with engine.remote.urls: every "
-                              "generator would attach to the same servers; use num_generators=1")  # fmt: skip
+            raise ConfigError(
+                "engine.remote.weight_update=nccl with engine.remote.urls: every "
+                "generator would attach to the same servers; use num_generators=1"
+            )
 
     def prerequisites(self) -> list[tuple[str, str]]:
         """(path, experiment file that makes it): the starting policy, and the reward model
@@ -201,11 +211,25 @@ class RLExperiment:
         save_json(self.rollout(), rollout_path)
         threads = max(1, self.engine.threads)
         # The buffer and the trainer ranks come back from their saved state when they die.
-        procs = [ProcessSpec("buffer", "asyncrl.buffer.server", ["--config", rollout_path],
-                             group="buffer", max_restarts=5)]  # fmt: skip
-        procs += [ProcessSpec(f"generator_{i}", "asyncrl.generator.worker",
-                              ["--config", rollout_path, "--worker-id", f"g{i}"], restartable=True, threads=threads)
-                  for i in range(self.num_generators)]  # fmt: skip
+        procs = [
+            ProcessSpec(
+                "buffer",
+                "asyncrl.buffer.server",
+                ["--config", rollout_path],
+                group="buffer",
+                max_restarts=5,
+            )
+        ]
+        procs += [
+            ProcessSpec(
+                f"generator_{i}",
+                "asyncrl.generator.worker",
+                ["--config", rollout_path, "--worker-id", f"g{i}"],
+                restartable=True,
+                threads=threads,
+            )
+            for i in range(self.num_generators)
+        ]
         return procs + trainer_ranks(self, config_path, group="trainer")
 
     @property
@@ -214,16 +238,31 @@ class RLExperiment:
 
     def rollout(self) -> RolloutConfig:
         """The config the buffer and generator processes read."""
-        return RolloutConfig(run_dir=self.run_dir, run_id=self.run_id, seed=self.seed, model=self.model,
-                             task=self.task, buffer=self.buffer, sampling=self.sampling, reward=self.reward,
-                             transport=self.transport, engine=self.engine, metrics=self.metrics)  # fmt: skip
+        return RolloutConfig(
+            run_dir=self.run_dir,
+            run_id=self.run_id,
+            seed=self.seed,
+            model=self.model,
+            task=self.task,
+            buffer=self.buffer,
+            sampling=self.sampling,
+            reward=self.reward,
+            transport=self.transport,
+            engine=self.engine,
+            metrics=self.metrics,
+        )
 
 
 def run(cfg: RLExperiment, info: DistInfo) -> dict:
     tokenizer = load_tokenizer(cfg.model.path)
     core = TrainerCore(cfg.model, cfg.trainer, cfg.optim, info, tokenizer.pad_token_id)
-    critic = (Critic(cfg.rl.critic, cfg.model, cfg.trainer, info, tokenizer.pad_token_id, cfg.rl.max_steps)
-              if cfg.rl.algorithm == "ppo" else None)  # fmt: skip
+    critic = (
+        Critic(
+            cfg.rl.critic, cfg.model, cfg.trainer, info, tokenizer.pad_token_id, cfg.rl.max_steps
+        )
+        if cfg.rl.algorithm == "ppo"
+        else None
+    )
     companions = {"critic": critic.core} if critic is not None else {}
     evaluate = Evaluator(cfg, build_task(cfg.task), info)
     if cfg.placement == "colocated":  # one in-process object stands in for buffer and generators
@@ -247,12 +286,22 @@ def run(cfg: RLExperiment, info: DistInfo) -> dict:
     while core.step < cfg.rl.max_steps and not stop:
         # 1. my share of this step's batch (whole groups, at most max_staleness old)
         wait = time.perf_counter()
-        batch = client.request_batch(core.step, info.world_size, on_wait=republish,
-                                     wait_tick_s=max(1.0, 5 * cfg.transport.heartbeat_s))  # fmt: skip
+        batch = client.request_batch(
+            core.step,
+            info.world_size,
+            on_wait=republish,
+            wait_tick_s=max(1.0, 5 * cfg.transport.heartbeat_s),
+        )
         waited = time.perf_counter() - wait
-        micro = make_micro_batches(to_sequences(batch.samples, cfg), cfg.trainer.micro_batch_tokens,
-                                   cfg.trainer.packing, tokenizer.pad_token_id, cfg.trainer.row_tokens,
-                                   group_sizes(batch.samples), cfg.trainer.share_prefix)  # fmt: skip
+        micro = make_micro_batches(
+            to_sequences(batch.samples, cfg),
+            cfg.trainer.micro_batch_tokens,
+            cfg.trainer.packing,
+            tokenizer.pad_token_id,
+            cfg.trainer.row_tokens,
+            group_sizes(batch.samples),
+            cfg.trainer.share_prefix,
+        )
         # 2. proximal logprobs: the weights at the start of this step, no grad (by default
         #    taken detached from the step's own forward, which has those weights)
         recompute_logprobs(core, micro, reference, temperature, cfg.rl.proximal_pass)
@@ -278,11 +327,19 @@ def run(cfg: RLExperiment, info: DistInfo) -> dict:
             critic_scalars |= critic.train(micro)
         ledger.write(core.step - 1, batch.samples)
         rewards = [s.reward for s in batch.samples]
-        scalars = {"train/loss": stats.loss, "train/grad_norm": stats.grad_norm, "train/lr": stats.lr,
-                   "train/tokens": stats.tokens, "train/tokens_per_s": stats.tokens / stats.seconds if stats.seconds else 0.0,
-                   "train/step_s": stats.seconds, "train/wait_for_batch_s": waited,
-                   "train/weight_publish_s": sync_s, "rollout/reward": sum(rewards) / max(len(rewards), 1),
-                   **stats.metrics, **critic_scalars}  # fmt: skip
+        scalars = {
+            "train/loss": stats.loss,
+            "train/grad_norm": stats.grad_norm,
+            "train/lr": stats.lr,
+            "train/tokens": stats.tokens,
+            "train/tokens_per_s": stats.tokens / stats.seconds if stats.seconds else 0.0,
+            "train/step_s": stats.seconds,
+            "train/wait_for_batch_s": waited,
+            "train/weight_publish_s": sync_s,
+            "rollout/reward": sum(rewards) / max(len(rewards), 1),
+            **stats.metrics,
+            **critic_scalars,
+        }
         stop = out_of_time(start, cfg.time_limit_s, info)
         last = core.step >= cfg.rl.max_steps or stop
         if cfg.eval.every_steps and (core.step % cfg.eval.every_steps == 0 or last):
@@ -303,9 +360,13 @@ def run(cfg: RLExperiment, info: DistInfo) -> dict:
                 client.announce_checkpoint(oldest_checkpoint_step(ckpt_root))
     if cfg.rl.export_dir:
         export_hf(core, cfg.rl.export_dir)
-    summary = {"steps": core.step, "train_time_s": round(time.time() - start, 2),
-               "initial_eval_accuracy": initial, "final_eval_accuracy": accuracy.get("eval/accuracy"),
-               "export_dir": cfg.rl.export_dir}  # fmt: skip
+    summary = {
+        "steps": core.step,
+        "train_time_s": round(time.time() - start, 2),
+        "initial_eval_accuracy": initial,
+        "final_eval_accuracy": accuracy.get("eval/accuracy"),
+        "export_dir": cfg.rl.export_dir,
+    }
     log.write_summary(summary)
     log.close()
     ledger.close()
@@ -321,8 +382,9 @@ def critic_warmup_step(core: TrainerCore, micro: list) -> StepStats:
     tokens = all_reduce_sum([float(sum(mb.num_tokens for mb in micro))], core.info.device)[0]
     core.step += 1
     lr = core.scheduler.get_last_lr()[0]
-    return StepStats(loss=0.0, grad_norm=0.0, lr=lr, tokens=int(tokens), seconds=0.0,
-                     skipped=False, metrics={})  # fmt: skip
+    return StepStats(
+        loss=0.0, grad_norm=0.0, lr=lr, tokens=int(tokens), seconds=0.0, skipped=False, metrics={}
+    )
 
 
 def resume_or_evaluate(core, companions, ckpt_root, cfg, evaluate, publisher, client, log) -> dict:
@@ -349,8 +411,11 @@ def resume_or_evaluate(core, companions, ckpt_root, cfg, evaluate, publisher, cl
 def oldest_checkpoint_step(ckpt_root: Path) -> int:
     """The step of the oldest checkpoint kept (a corrupt newer one makes a restart fall
     back to it)."""
-    steps = [int(p.name.removeprefix("step_")) for p in ckpt_root.glob("step_*")
-             if p.is_dir() and p.suffix != ".tmp"]  # fmt: skip
+    steps = [
+        int(p.name.removeprefix("step_"))
+        for p in ckpt_root.glob("step_*")
+        if p.is_dir() and p.suffix != ".tmp"
+    ]
     return min(steps, default=0)
 
 

@@ -44,8 +44,11 @@ def to_sequences(samples: list[Sample], cfg) -> list[TokenSequence]:
         else:
             adv = grpo_advantages(rewards, scale_by_std=cfg.rl.algorithm == "grpo")[0]
         for s, a in zip(members, adv.tolist()):
-            per_token = ({"rewards": reward_on_last_token(s.loss_mask, a)} if cfg.rl.algorithm == "ppo"
-                         else {"advantages": [a * m for m in s.loss_mask]})  # fmt: skip
+            per_token = (
+                {"rewards": reward_on_last_token(s.loss_mask, a)}
+                if cfg.rl.algorithm == "ppo"
+                else {"advantages": [a * m for m in s.loss_mask]}
+            )
             out.append(
                 TokenSequence(s.token_ids, s.loss_mask, {"behavior": s.logprobs, **per_token})
             )
@@ -85,8 +88,12 @@ def recompute_logprobs(
                     core.forward(moved), moved.input_ids, temperature
                 ).cpu()
             if reference is not None:
-                logits = reference(input_ids=moved.input_ids, position_ids=moved.position_ids,
-                                   attention_mask=moved.attention_mask, use_cache=False).logits  # fmt: skip
+                logits = reference(
+                    input_ids=moved.input_ids,
+                    position_ids=moved.position_ids,
+                    attention_mask=moved.attention_mask,
+                    use_cache=False,
+                ).logits
                 logits = moved.align_logits(logits)
                 mb.fields["reference"] = token_logprobs(logits, moved.input_ids, temperature).cpu()
 
@@ -122,14 +129,23 @@ def policy_loss(cfg, temperature: float) -> Callable:
             f["proximal"] = logp.detach()
         proximal = f["proximal"]
         entropy = token_entropy(logits, temperature) if cfg.rl.loss.entropy_coef else None
-        return ppo_loss(logp, proximal, f["behavior"], f["advantages"], mb.loss_mask, cfg.rl.loss,
-                        ref_logprobs=f.get("reference"), entropy=entropy)  # fmt: skip
+        return ppo_loss(
+            logp,
+            proximal,
+            f["behavior"],
+            f["advantages"],
+            mb.loss_mask,
+            cfg.rl.loss,
+            ref_logprobs=f.get("reference"),
+            entropy=entropy,
+        )
 
     return loss_fn
 
 
-def policy_updates(core: TrainerCore, micro: list[MicroBatch], loss_fn: Callable,
-                   epochs: int) -> StepStats:  # fmt: skip
+def policy_updates(
+    core: TrainerCore, micro: list[MicroBatch], loss_fn: Callable, epochs: int
+) -> StepStats:
     """``epochs`` optimizer updates of the policy, each over the whole batch (PPO's
     epochs, GRPO's μ); the step, which is the version, advances once, also when an update
     was non-finite and skipped (a batch, a step and a version stay one to one).

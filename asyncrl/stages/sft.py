@@ -144,8 +144,9 @@ class Evaluator:
         result: dict[str, float] = {}
         if self.engine is not None:
             self.engine.load_weights(full, core.step)
-            result = greedy_accuracy(self.engine, self.tokenizer, self.task, self.examples,
-                                     self.cfg.eval.max_new_tokens)  # fmt: skip
+            result = greedy_accuracy(
+                self.engine, self.tokenizer, self.task, self.examples, self.cfg.eval.max_new_tokens
+            )
         barrier()
         return result
 

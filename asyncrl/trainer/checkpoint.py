@@ -217,9 +217,13 @@ def save_checkpoint(
         _save_core(other, tmp / sub, {})
     barrier()  # every rank's shards and extra files are written: rank 0 can hash them all
     if core.info.is_main:
-        meta = {"step": core.step, "world_size": core.info.world_size, "stage": stage_state,
-                "companion_steps": {sub: other.step for sub, other in companions.items()},
-                "manifest": _manifest(tmp)}  # fmt: skip
+        meta = {
+            "step": core.step,
+            "world_size": core.info.world_size,
+            "stage": stage_state,
+            "companion_steps": {sub: other.step for sub, other in companions.items()},
+            "manifest": _manifest(tmp),
+        }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -242,8 +246,11 @@ def load_checkpoint(
     path = Path(path)
     verified = _on_rank0(verify_checkpoint, path)
     if not verified and core.info.is_main:
-        print(f"[checkpoint] {path} has no manifest (written before manifests): loading it "
-              "unverified", flush=True)  # fmt: skip
+        print(
+            f"[checkpoint] {path} has no manifest (written before manifests): loading it "
+            "unverified",
+            flush=True,
+        )
     meta = _read_meta(path)
     if meta["world_size"] != core.info.world_size:
         # DCP reshards model and optimizer; only per-rank RNG streams cannot carry over.

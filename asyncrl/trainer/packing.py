@@ -296,8 +296,10 @@ def make_micro_batches(
     starts = list(accumulate(sizes, initial=0))
     groups = [seqs[a : a + n] for a, n in zip(starts, sizes)]
     if layout == "packed":
-        units = [[_Unit(g, shared_prefix(g))] if share_prefix else [_Unit([s]) for s in g]
-                 for g in groups]  # fmt: skip
+        units = [
+            [_Unit(g, shared_prefix(g))] if share_prefix else [_Unit([s]) for s in g]
+            for g in groups
+        ]
         bins = first_fit_decreasing([sum(len(u) for u in g) for g in units], row_tokens)
         rows = [[u for i in sorted(b) for u in units[i]] for b in bins]
         rows.sort(key=lambda r: -sum(len(u) for u in r))  # widest first: little tail padding

@@ -131,8 +131,10 @@ class DiskWeightPublisher:
         loading a deleted one fails that update and loads the next announced one."""
         # Newest by time, not by number: a trainer restarted from a checkpoint publishes
         # versions lower than the dead one's, and those are the ones in use.
-        dirs = sorted((p for p in self.root.iterdir() if re.fullmatch(r"v\d+", p.name)),
-                      key=lambda p: p.stat().st_mtime_ns)  # fmt: skip
+        dirs = sorted(
+            (p for p in self.root.iterdir() if re.fullmatch(r"v\d+", p.name)),
+            key=lambda p: p.stat().st_mtime_ns,
+        )
         for old in dirs[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -208,18 +210,32 @@ class NcclWeightPublisher:
         """Form a new NCCL group of rank 0 and every server's GPUs."""
         if self.group is not None:
             old = f"asyncrl_weights_{self.groups_made - 1}"
-            self._post_all("/destroy_weights_update_group", {"group_name": old}, urls=self.urls,
-                           check=False)  # fmt: skip
+            self._post_all(
+                "/destroy_weights_update_group", {"group_name": old}, urls=self.urls, check=False
+            )
             torch.distributed.destroy_process_group(self.group)
         tp = self.remote.tp_size
         name, world = f"asyncrl_weights_{self.groups_made}", 1 + len(urls) * tp
         address, port = advertised_host(self.cfg.transport.host), free_port()
         with ThreadPoolExecutor(len(urls)) as pool:
             # Each server's call returns only once the group is formed: rank 0 joins meanwhile.
-            calls = [pool.submit(_post, url, "/init_weights_update_group", {
-                "master_address": address, "master_port": port, "rank_offset": 1 + i * tp,
-                "world_size": world, "group_name": name, "backend": "nccl"}, self.timeout_s)
-                for i, url in enumerate(urls)]  # fmt: skip
+            calls = [
+                pool.submit(
+                    _post,
+                    url,
+                    "/init_weights_update_group",
+                    {
+                        "master_address": address,
+                        "master_port": port,
+                        "rank_offset": 1 + i * tp,
+                        "world_size": world,
+                        "group_name": name,
+                        "backend": "nccl",
+                    },
+                    self.timeout_s,
+                )
+                for i, url in enumerate(urls)
+            ]
             self.group = _rank0_group(f"tcp://{address}:{port}", world, name, self.timeout_s)
             for call in calls:
                 call.result()
@@ -236,24 +252,30 @@ class NcclWeightPublisher:
         return buckets
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: int | None) -> None:
-        payload = {"names": [n for n, _ in bucket],
-                   "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-                   "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
-                   "flush_cache": version is not None}  # fmt: skip
+        payload = {
+            "names": [n for n, _ in bucket],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket],
+            "group_name": self.group_name,
+            "flush_cache": version is not None,
+        }
         if version is not None:
             payload["weight_version"] = str(version)
         with ThreadPoolExecutor(len(self.urls)) as pool:
             # The servers receive in the order of ``names`` while rank 0 sends.
-            calls = [pool.submit(_post, url, "/update_weights_from_distributed", payload, self.timeout_s)
-                     for url in self.urls]  # fmt: skip
+            calls = [
+                pool.submit(_post, url, "/update_weights_from_distributed", payload, self.timeout_s)
+                for url in self.urls
+            ]
             for _, tensor in bucket:
                 torch.distributed.broadcast(tensor.cuda().contiguous(), src=0, group=self.group)
             torch.cuda.synchronize()
             for call in calls:
                 call.result()
 
-    def _post_all(self, path: str, payload: dict, urls: list[str] | None = None,
-                  check: bool = True) -> None:  # fmt: skip
+    def _post_all(
+        self, path: str, payload: dict, urls: list[str] | None = None, check: bool = True
+    ) -> None:
         for url in urls if urls is not None else self.urls:
             try:
                 _post(url, path, payload, self.timeout_s)
@@ -264,8 +286,11 @@ class NcclWeightPublisher:
 
 def _post(url: str, path: str, payload: dict, timeout_s: float) -> dict:
     """POST JSON; the answer, or RuntimeError when the server reports failure."""
-    request = urllib.request.Request(f"{url}{path}", data=json.dumps(payload).encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        f"{url}{path}",
+        data=json.dumps(payload).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=timeout_s) as resp:
         text = resp.read().decode()
     body = json.loads(text) if text.strip().startswith("{") else {}
@@ -286,8 +311,14 @@ def _rank0_group(init_method: str, world_size: int, name: str, timeout_s: float)
     params = inspect.signature(c10d._new_process_group_helper).parameters
     options = "backend_options" if "backend_options" in params else "pg_options"
     group, _ = c10d._new_process_group_helper(
-        world_size, 0, [], c10d.Backend("nccl"), c10d.PrefixStore(name, store),
-        group_name=name, timeout=timeout, **{options: None},
-    )  # fmt: skip
+        world_size,
+        0,
+        [],
+        c10d.Backend("nccl"),
+        c10d.PrefixStore(name, store),
+        group_name=name,
+        timeout=timeout,
+        **{options: None},
+    )
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
