@@ -10,11 +10,12 @@ import sys
 import torch
 
 from asyncrl.algorithms.losses import sft_loss
+from asyncrl.balance import split_balanced
 from asyncrl.models import ModelConfig
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import TrainerCore
 from asyncrl.trainer.dist import init_distributed, shutdown_distributed
-from asyncrl.trainer.packing import TokenSequence, make_micro_batches, split_balanced
+from asyncrl.trainer.packing import TokenSequence, make_micro_batches
 
 
 def synthetic_sequences(n: int, vocab: int, seed: int = 0) -> list[TokenSequence]:

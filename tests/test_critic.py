@@ -17,6 +17,7 @@ import torch
 
 from asyncrl.algorithms.advantages import gae
 from asyncrl.algorithms.losses import token_entropy, token_values, value_loss
+from asyncrl.balance import split_balanced
 from asyncrl.metrics import read_metrics
 from asyncrl.models import ModelConfig, load_model
 from asyncrl.stages.critic import Critic, CriticConfig, reward_on_last_token
@@ -24,7 +25,7 @@ from asyncrl.trainer.checkpoint import export_hf, load_checkpoint, save_checkpoi
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import TrainerCore
 from asyncrl.trainer.dist import init_distributed, shutdown_distributed
-from asyncrl.trainer.packing import MicroBatch, TokenSequence, make_micro_batches, split_balanced
+from asyncrl.trainer.packing import MicroBatch, TokenSequence, make_micro_batches
 
 ROOT = Path(__file__).resolve().parents[1]
 

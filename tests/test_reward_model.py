@@ -19,7 +19,8 @@ from asyncrl.buffer.client import BufferClient
 from asyncrl.buffer.core import BufferConfig, RolloutBuffer
 from asyncrl.buffer.reward_model import RewardModelScorer, score_sequences
 from asyncrl.buffer.rewards import RewardConfig
-from asyncrl.buffer.server import BufferServer, Scoring, buffer_counters
+from asyncrl.buffer.scoring import Scoring, buffer_counters
+from asyncrl.buffer.server import BufferServer
 from asyncrl.engine.embedded import EmbeddedEngine, EngineConfig
 from asyncrl.generator.worker import GeneratorWorker
 from asyncrl.metrics import MetricsConfig

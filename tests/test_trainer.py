@@ -12,15 +12,12 @@ import pytest
 import torch
 
 from asyncrl.algorithms.losses import sft_loss
+from asyncrl.balance import split_balanced
 from asyncrl.models import ModelConfig, load_model
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import TrainerCore, lr_lambda
 from asyncrl.trainer.dist import init_distributed
-from asyncrl.trainer.packing import (
-    first_fit_decreasing,
-    make_micro_batches,
-    split_balanced,
-)
+from asyncrl.trainer.packing import first_fit_decreasing, make_micro_batches
 
 from .conftest import full_grads, wait_for_ranks
 from .fsdp_worker import loss_fn, synthetic_sequences

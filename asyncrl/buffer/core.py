@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from asyncrl.balance import split_balanced
 from asyncrl.buffer.staleness import StalenessGate
-from asyncrl.trainer.packing import split_balanced
 from asyncrl.wire import Chunk, Lease, Sample, SamplingSpec
 
 

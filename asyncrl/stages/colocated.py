@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from asyncrl.buffer.core import RolloutBuffer
-from asyncrl.buffer.server import Scoring, buffer_counters
+from asyncrl.buffer.scoring import Scoring, buffer_counters
 from asyncrl.engine.base import Request, SamplingParams, StepOutput
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.generator.worker import PendingLease, record_tokens

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from asyncrl.balance import split_balanced
 from asyncrl.evaluation import EvalConfig
 from asyncrl.metrics import MetricsConfig, MetricsLogger
 from asyncrl.models import ModelConfig, load_tokenizer
@@ -38,7 +39,7 @@ from asyncrl.trainer.checkpoint import (
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import TrainerCore, barrier
 from asyncrl.trainer.dist import DistInfo, all_reduce_sum
-from asyncrl.trainer.packing import MicroBatch, TokenSequence, make_micro_batches, split_balanced
+from asyncrl.trainer.packing import MicroBatch, TokenSequence, make_micro_batches
 
 PairLoss = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 

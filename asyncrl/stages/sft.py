@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from asyncrl.algorithms.losses import sft_loss
+from asyncrl.balance import split_balanced
 from asyncrl.evaluation import (
     EvalConfig,
     greedy_accuracy,
@@ -35,7 +36,7 @@ from asyncrl.trainer.checkpoint import (
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import TrainerCore, barrier
 from asyncrl.trainer.dist import DistInfo
-from asyncrl.trainer.packing import TokenSequence, make_micro_batches, split_balanced
+from asyncrl.trainer.packing import TokenSequence, make_micro_batches
 
 
 @dataclass

@@ -139,18 +139,6 @@ def first_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
     return bins
 
 
-def split_balanced(lengths: list[int], parts: int) -> list[list[int]]:
-    """Assign indices to ``parts`` groups with balanced token sums (longest first)."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    groups: list[list[int]] = [[] for _ in range(parts)]
-    totals = [0] * parts
-    for i in order:
-        g = min(range(parts), key=lambda p: (totals[p], len(groups[p]), p))
-        groups[g].append(i)
-        totals[g] += lengths[i]
-    return [sorted(g) for g in groups]
-
-
 @dataclass
 class _Unit:
     """Sequences laid out together in one row: their first ``prefix`` tokens once, then
