@@ -18,7 +18,7 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from asyncrl.engine.base import Request, SamplingParams
-from asyncrl.engine.embedded import EmbeddedEngine, EngineConfig
+from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from asyncrl.models import ModelConfig
 from asyncrl.tasks import Example, Task
 
@@ -46,7 +46,7 @@ def make_eval_engine(
 ) -> EmbeddedEngine:
     """An engine sized for evaluation: ``batch_size`` slots, each as long as the longest
     prompt plus the generation budget, so no completion is cut short by the cache."""
-    engine_cfg = EngineConfig(
+    engine_cfg = EmbeddedEngineConfig(
         max_slots=cfg.batch_size,
         max_seq_len=longest_prompt + cfg.max_new_tokens,
         device="cuda" if device.type == "cuda" else "cpu",

@@ -1,18 +1,21 @@
 """What the buffer process and the generator processes share: the rollout config (saved
-as JSON in the run directory, read by every process) and the prompt stream."""
+as JSON in the run directory, read by every process), the prompt stream, and how a lease
+becomes an engine request and its generated tokens a chunk (``lease_request``,
+``PendingLease``, ``record_tokens``; used by the generator and the colocated placement)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from asyncrl.buffer.core import BufferConfig
+from asyncrl.buffer.config import BufferConfig
 from asyncrl.buffer.rewards import RewardConfig
-from asyncrl.engine.embedded import EngineConfig
+from asyncrl.engine.base import Request, SamplingParams, StepOutput
+from asyncrl.engine.config import EngineConfig
 from asyncrl.metrics import MetricsConfig
 from asyncrl.models import ModelConfig, load_tokenizer
 from asyncrl.tasks import Task, TaskConfig, stream_index
 from asyncrl.transport import TransportConfig
-from asyncrl.wire import SamplingSpec
+from asyncrl.wire import Lease, SamplingSpec
 
 
 @dataclass
@@ -52,6 +55,7 @@ class RolloutConfig:
     """Scoring in worker processes (``workers=0``: inline in the buffer)."""
     transport: TransportConfig = field(default_factory=TransportConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    """The generators' engine: ``backend`` and each backend's settings."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """The generators' TensorBoard switch and logging interval (the experiment's own)."""
 
@@ -71,3 +75,48 @@ class TaskPrompts:
         return index, self.tokenizer(self.examples[index].prompt, add_special_tokens=False)[
             "input_ids"
         ]
+
+
+def lease_request(lease: Lease) -> Request:
+    """The engine request of a lease: its prompt plus any prefix an earlier holder
+    generated, with the generation budget that prefix leaves."""
+    s = lease.sampling
+    params = SamplingParams(
+        max_new_tokens=max(1, s.max_new_tokens - len(lease.prefix_ids)),
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=s.seed,
+        stop_token_ids=list(s.stop_token_ids),
+    )
+    return Request(lease.lease_id, lease.prompt_ids + lease.prefix_ids, params)
+
+
+@dataclass
+class PendingLease:
+    """Tokens of one lease generated and not yet sent; the three lists line up, one entry
+    per token."""
+
+    lease: Lease
+    seq: int = 0
+    """Sequence number of the next chunk of this lease."""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    """Behavior logprob of each token."""
+    versions: list[int] = field(default_factory=list)
+    """Weights version that produced each token."""
+    last_flush: float = 0.0
+    """When the last chunk went out (``time.time()``)."""
+
+
+def record_tokens(
+    pending: dict[str, PendingLease], out: StepOutput
+) -> list[tuple[PendingLease, str]]:
+    """Append an engine step's tokens (each with its logprob and version) to their leases;
+    remove the finished ones from ``pending`` and return them with their finish reason."""
+    for t in out.tokens:
+        p = pending[t.request_id]
+        p.token_ids.append(t.token_id)
+        p.logprobs.append(t.logprob)
+        p.versions.append(t.version)
+    return [(pending.pop(f.request_id), f.reason) for f in out.finished]

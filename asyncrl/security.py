@@ -40,14 +40,11 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
-
-if TYPE_CHECKING:
-    from asyncrl.transport import TransportConfig
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +156,16 @@ def is_loopback(host: str) -> bool:
         return False  # "*", a hostname, an interface name: reachable from the network
 
 
-def curve_enabled(cfg: TransportConfig) -> bool:
+class CurveSettings(Protocol):
+    """The transport settings CURVE depends on (``asyncrl.transport.TransportConfig`` has
+    them; named here structurally, since the transport imports this module)."""
+
+    curve: str
+    scheme: str
+    host: str
+
+
+def curve_enabled(cfg: CurveSettings) -> bool:
     """Whether the run's sockets use CURVE (``TransportConfig.curve``). Raises ValueError
     for ``curve="off"`` on a non-loopback TCP host: an unauthenticated open port."""
     if cfg.curve not in ("auto", "on", "off"):

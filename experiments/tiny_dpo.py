@@ -23,8 +23,7 @@ config = DPOExperiment(
     init_from_experiment=str(SFT_FILE),
     model=ModelConfig(path=sft.sft.export_dir),
     task=sft.task,
-    # The policy's own samples: 8 at T = 1 per unseen problem, each completion in one pair
-    # (1,506 train pairs, 135 eval pairs).
+    # The policy's own samples: 8 at T = 1 per unseen problem, each completion in one pair.
     data=PreferenceDataConfig(
         train_path="runs/data/tiny-prefs/train.jsonl",
         eval_path="runs/data/tiny-prefs/eval.jsonl",
@@ -32,10 +31,9 @@ config = DPOExperiment(
         samples_per_prompt=8,
         max_pairs_per_prompt=2,
     ),
-    # Measured from the 40.5% SFT start, 300 steps: plain DPO at lr 1e-4 fell to 22-35%
-    # (both completions' likelihoods fell while their gap grew), at 2e-5 it ended at 46.5%
-    # after swinging between 38% and 46.5%; with RPO's NLL term on the chosen completion
-    # (α = 1) at 5e-5 it rose steadily to 60.5%.
+    # Plain DPO lowers both completions' likelihoods while widening their gap, and held-out
+    # accuracy fell at 1e-4 and swung at 2e-5; RPO's NLL term on the chosen completion
+    # (α = 1) at 5e-5 rose steadily (docs/results.md).
     loss=DPOLossConfig(beta=0.1, nll_coef=1.0),
     trainer=TrainerConfig(num_ranks=1, threads_per_rank=2, micro_batch_tokens=4096),
     optim=OptimConfig(lr=5e-5, warmup_steps=20, schedule="constant"),

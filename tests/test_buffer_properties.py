@@ -19,7 +19,9 @@ import random
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from asyncrl.buffer.core import BufferConfig, RolloutBuffer
+from asyncrl.buffer.config import BufferConfig
+from asyncrl.buffer.core import RolloutBuffer
+from asyncrl.buffer.scoring import InlineScoring
 from asyncrl.buffer.wal import Journal, frame, replay
 from asyncrl.wire import Chunk, SamplingSpec
 
@@ -52,10 +54,11 @@ class Simulation:
             dynamic_sampling=dynamic,
             skip_uniform=skip,
         )
-        self.buffer = RolloutBuffer(cfg, "run", prompts, score, SamplingSpec())
+        self.buffer = RolloutBuffer(cfg, "run", prompts, SamplingSpec())
+        self.scoring = InlineScoring(score)  # rewards arrive as soon as a sample finishes
         self.log: list[bytes] = []  # the write-ahead log since the last save
         self.journal = Journal(self.buffer, self)
-        self.saved = self.buffer.state()
+        self.saved = self.buffer.save()
         self.checkpoint = 0  # the trainer's newest checkpoint (a step)
         self.served: dict[int, list[tuple[int, int]]] = {}  # step -> (group, index) trained
         self.rng = random.Random(seed)
@@ -128,6 +131,7 @@ class Simulation:
             self.journal.chunk(chunk, self.now)
             if self.rng.random() < 0.1:
                 self.journal.chunk(chunk, self.now)
+            self.scoring.pump(self.buffer, self.journal.reward)
         del self.network[:count]
 
     def sync_weights(self) -> None:
@@ -142,27 +146,27 @@ class Simulation:
 
     def restart_buffer(self) -> None:
         """The buffer process dies and comes back from its saved state."""
-        data = self.buffer.state()
-        self.buffer = RolloutBuffer(self.buffer.cfg, "run", prompts, score, SamplingSpec())
+        data = self.buffer.save()
+        self.buffer = RolloutBuffer(self.buffer.cfg, "run", prompts, SamplingSpec())
         self.buffer.restore(data, self.now)
-        assert self.buffer.state() == data
+        assert self.buffer.save() == data
         self.journal.buffer = self.buffer
 
     def append(self, event) -> None:  # the Journal's log
         self.log.append(frame(event))
 
     def save(self) -> None:
-        self.saved, self.log = self.buffer.state(), []
+        self.saved, self.log = self.buffer.save(), []
 
     def crash_buffer(self) -> None:
         """The buffer process is killed: the saved state plus the log replayed gives back
         exactly the state it had."""
-        before = self.buffer.state()
-        self.buffer = RolloutBuffer(self.buffer.cfg, "run", prompts, score, SamplingSpec())
+        before = self.buffer.save()
+        self.buffer = RolloutBuffer(self.buffer.cfg, "run", prompts, SamplingSpec())
         self.buffer.restore(self.saved, self.now)
         replay(self.buffer, b"".join(self.log))
-        self.buffer.alive_since(self.now)
-        assert self.buffer.state() == before
+        self.buffer.leases.alive_since(self.now)
+        assert self.buffer.save() == before
         self.journal.buffer = self.buffer
 
     def trainer_checkpoint(self) -> None:
@@ -178,20 +182,20 @@ class Simulation:
         self.now += self.rng.choice([0.5, 1.0, 2.0, 30.0])
         for g in GENERATORS:
             if self.alive[g]:
-                self.buffer.on_heartbeat(g, self.now)
+                self.buffer.leases.on_heartbeat(g, self.now)
         self.journal.expire(self.now)
         for g in GENERATORS:  # a generator whose lease was taken back stops working on it
-            self.held[g] = {k: v for k, v in self.held[g].items() if k in self.buffer.leases}
+            self.held[g] = {k: v for k, v in self.held[g].items() if k in self.buffer.leases.active}
 
     def train_step(self) -> None:
-        consumed_before = self.buffer.counts["samples_consumed"]
+        consumed_before = self.buffer.state.counts["samples_consumed"]
         shares = [self.journal.batch(self.step, rank, 2) for rank in range(2)]
         if shares[0] is None:
             return
         keys = [(s.group_id, s.sample_index) for s in shares[0] + shares[1]]
         if self.step in self.served:  # a step redone after a trainer restart
             assert keys == self.served[self.step]
-            assert self.buffer.counts["samples_consumed"] == consumed_before
+            assert self.buffer.state.counts["samples_consumed"] == consumed_before
         else:
             self.served[self.step] = keys
             for sample in shares[0] + shares[1]:
@@ -204,7 +208,7 @@ class Simulation:
     def check(self) -> None:
         self.buffer.check_accounting()
         consumed = [k for keys in self.served.values() for k in keys]
-        assert len(consumed) == len(set(consumed)) == self.buffer.counts["samples_consumed"]
+        assert len(consumed) == len(set(consumed)) == self.buffer.state.counts["samples_consumed"]
         for step, versions in self.consumed:
             assert versions, "a consumed sample has no generated tokens"
             if self.eta is not None:
@@ -224,11 +228,11 @@ def test_buffer_invariants_under_random_schedules(eta, dynamic, seed, skip):
     sim = Simulation(eta, dynamic, seed, skip)
     sim.run(600)
     event(f"steps consumed: {'10+' if sim.step >= 10 else sim.step}")
-    c = sim.buffer.counts
+    c = sim.buffer.state.counts
     event(
         f"stale groups dropped: {bool(c['groups_stale'])}, reissued leases: {bool(c['leases_reissued'])}"
     )
-    assert sum(sim.buffer.staleness.values()) == c["samples_consumed"]
+    assert sum(sim.buffer.state.staleness.values()) == c["samples_consumed"]
     event(f"batches served again after a trainer restart: {bool(c['batches_served_again'])}")
     event(f"prompts skipped as uniform: {bool(c['prompts_skipped'])}")
 
@@ -245,12 +249,13 @@ def _lease_six_rounds(**cfg_fields) -> tuple[RolloutBuffer, list[int]]:
     """Prompt 0's samples always score 1, prompt 1's score 1 and 0 (tokens 1 and 2): six
     rounds of leasing two samples and finishing them; returns the leased prompt ids."""
     cfg = BufferConfig(prompts_per_batch=1, samples_per_prompt=2, max_staleness=None, **cfg_fields)
-    buffer = RolloutBuffer(cfg, "run", _two_prompts, _by_prompt, SamplingSpec())
+    buffer = RolloutBuffer(cfg, "run", _two_prompts, SamplingSpec())
+    scoring = InlineScoring(_by_prompt)
     leased = []
     for round_ in range(6):
-        for lease in buffer.lease("g", 2, float(round_)):
+        for lease in buffer.leases.lease("g", 2, float(round_)):
             leased.append(lease.prompt_id)
-            buffer.on_chunk(
+            buffer.leases.on_chunk(
                 Chunk(
                     run_id="run",
                     worker_id="g",
@@ -264,6 +269,7 @@ def _lease_six_rounds(**cfg_fields) -> tuple[RolloutBuffer, list[int]]:
                 ),
                 float(round_),
             )
+            scoring.pump(buffer)
     buffer.check_accounting()
     return buffer, leased
 
@@ -276,20 +282,20 @@ def test_skip_uniform_skips_prompts_whose_groups_had_no_spread():
         assert leased_prompts[:4] == [0, 0, 1, 1]  # both prompts' first turns are leased
         if expect_skipped:
             assert set(leased_prompts[4:]) == {1}, leased_prompts
-            assert buffer.counts["prompts_skipped"] >= 2
-            assert buffer.uniform_streak == {0: 1}
+            assert buffer.state.counts["prompts_skipped"] >= 2
+            assert buffer.state.uniform_streak == {0: 1}
         else:
-            assert 0 in leased_prompts[4:] and not buffer.counts["prompts_skipped"]
+            assert 0 in leased_prompts[4:] and not buffer.state.counts["prompts_skipped"]
     buffer, _ = _lease_six_rounds(skip_uniform=1.0, skip_uniform_min_reward=1.5)
-    assert not buffer.counts["prompts_skipped"] and not buffer.uniform_streak
+    assert not buffer.state.counts["prompts_skipped"] and not buffer.state.uniform_streak
 
 
 def test_eta_zero_is_one_batch_of_prompts_per_version():
     cfg = BufferConfig(prompts_per_batch=3, samples_per_prompt=2, max_staleness=0)
-    buffer = RolloutBuffer(cfg, "run", prompts, score, SamplingSpec())
-    assert len(buffer.lease("g", 100, 0.0)) == 6  # 3 prompts x 2 samples, no more
-    buffer.set_version(1)
-    assert len(buffer.lease("g", 100, 0.0)) == 6
+    buffer = RolloutBuffer(cfg, "run", prompts, SamplingSpec())
+    assert len(buffer.leases.lease("g", 100, 0.0)) == 6  # 3 prompts x 2 samples, no more
+    buffer.batches.set_version(1)
+    assert len(buffer.leases.lease("g", 100, 0.0)) == 6
     cfg.max_staleness = None
-    unbounded = RolloutBuffer(cfg, "run", prompts, score, SamplingSpec())
-    assert len(unbounded.lease("g", 100, 0.0)) == 100
+    unbounded = RolloutBuffer(cfg, "run", prompts, SamplingSpec())
+    assert len(unbounded.leases.lease("g", 100, 0.0)) == 100

@@ -11,7 +11,7 @@ import sys
 
 import zmq
 
-from asyncrl.buffer.core import BufferConfig
+from asyncrl.buffer.config import BufferConfig
 from asyncrl.config import save_json
 from asyncrl.models import ModelConfig
 from asyncrl.rollout import RolloutConfig

@@ -27,7 +27,7 @@ def test_a_chaos_run_loses_nothing_and_counts_nothing_twice(tmp_path, tiny_model
         "buffer.dynamic_sampling=false",
         "buffer.heartbeat_timeout_s=2",
         "buffer.checkpoint_s=5",
-        "engine.max_slots=8",
+        "engine.embedded.max_slots=8",
         "transport.heartbeat_s=0.2",
         "eval.every_steps=0",
         "rl.max_steps=100000",

@@ -94,7 +94,8 @@ def test_nan_loss_step_is_skipped_without_a_trace(dist_info, tiny_model_dir):
 
     stats = core.train_step(_batch(core, 1), _nan_loss)
     assert stats.skipped and math.isnan(stats.loss) and math.isfinite(stats.grad_norm)
-    assert (core.step, core.nonfinite_in_a_row) == (1, 1)
+    # train_step advances no step counter (the stage's loop does), skipped or not.
+    assert (core.step, core.nonfinite_in_a_row) == (0, 1)
     assert all(p.grad is None for p in core.model.parameters())
     _assert_identical(params, _params(core))
     _assert_identical(optim, _optim_state(core))
@@ -102,7 +103,7 @@ def test_nan_loss_step_is_skipped_without_a_trace(dist_info, tiny_model_dir):
 
     stats = core.train_step(_batch(core, 1), loss_fn)
     assert not stats.skipped and math.isfinite(stats.loss)
-    assert (core.step, core.nonfinite_in_a_row) == (2, 0)
+    assert (core.step, core.nonfinite_in_a_row) == (0, 0)
     # The next step is exactly the one a run that never saw the NaN takes.
     clean = _core(tiny_model_dir, dist_info)
     clean.train_step(_batch(clean, 0), loss_fn)
@@ -119,7 +120,7 @@ def test_inf_gradient_step_is_skipped(dist_info, tiny_model_dir):
 
     stats = core.train_step(_batch(core, 1), _inf_grad_loss)
     assert math.isfinite(stats.loss) and not math.isfinite(stats.grad_norm)
-    assert stats.skipped and (core.step, core.nonfinite_in_a_row) == (1, 1)
+    assert stats.skipped and (core.step, core.nonfinite_in_a_row) == (0, 1)
     _assert_identical(params, _params(core))
     _assert_identical(optim, _optim_state(core))
     assert not core.train_step(_batch(core, 1), loss_fn).skipped
@@ -152,9 +153,11 @@ def two_checkpoints(dist_info, tiny_model_dir, tmp_path):
     root = tmp_path / "checkpoints"
     core = _core(tiny_model_dir, dist_info)
     core.train_step(_batch(core, 0), loss_fn)
+    core.step += 1  # as a stage's loop does
     save_checkpoint(core, root, {"position": 8}, keep=2)
     at_step_1 = _params(core)
     core.train_step(_batch(core, 1), loss_fn)
+    core.step += 1
     save_checkpoint(core, root, {"position": 16}, keep=2)
     return root, at_step_1
 

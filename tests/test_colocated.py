@@ -19,10 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.buffer.core import BufferConfig, RolloutBuffer
+from asyncrl.buffer.config import BufferConfig
+from asyncrl.buffer.core import RolloutBuffer
 from asyncrl.buffer.rewards import RewardConfig
 from asyncrl.config import ConfigError
-from asyncrl.engine.embedded import EngineConfig
+from asyncrl.engine.config import EngineConfig
+from asyncrl.engine.embedded import EmbeddedEngineConfig
 from asyncrl.metrics import MetricsConfig, read_metrics
 from asyncrl.models import ModelConfig, load_tokenizer
 from asyncrl.rollout import SamplingConfig
@@ -51,7 +53,7 @@ def _experiment(model_dir: str, run_dir: Path) -> RLExperiment:
         sampling=SamplingConfig(max_new_tokens=6, temperature=0.8),
         reward=RewardConfig(workers=0),
         # Fewer slots than a batch's samples: groups go through the engine in several waves.
-        engine=EngineConfig(max_slots=5, max_seq_len=64, threads=1),
+        engine=EngineConfig(embedded=EmbeddedEngineConfig(max_slots=5, max_seq_len=64, threads=1)),
         optim=OptimConfig(lr=1e-2, warmup_steps=0, schedule="constant"),
         metrics=MetricsConfig(tensorboard=False, progress_bar=False),
     )
@@ -107,10 +109,10 @@ def test_colocated_rollout_is_on_policy_with_the_trainers_logprobs(
             after = _recompute(core, micro, cfg.sampling.temperature)
             # The update really moves the policy, so stale weights in the engine would show.
             assert max((a - b).abs().max().item() for a, b in zip(after, before)) > 1e-2
-            assert rollout.publish(core.step, core.full_state_dict()) >= 0.0
-            rollout.announce_version(core.step)
+            assert rollout.publish(step + 1, core.full_state_dict()) >= 0.0
+            rollout.announce_version(step + 1)
         assert rollout.engine.version == 3
-        assert dict(rollout.buffer.staleness) == {0: 3 * PROMPTS * GROUP}
+        assert dict(rollout.buffer.state.staleness) == {0: 3 * PROMPTS * GROUP}
         rollout.buffer.check_accounting()
     finally:
         rollout.close()
@@ -126,13 +128,13 @@ def test_a_resumed_buffer_admits_only_the_current_steps_prompts():
     """A colocated run resuming at version 5 keeps no buffer state: ``start_at`` makes the
     gate admit step 5's prompts only, from where the stream would be, not steps 0-5's."""
     cfg = BufferConfig(prompts_per_batch=PROMPTS, samples_per_prompt=GROUP, max_staleness=0)
-    buffer = RolloutBuffer(cfg, "run", lambda i: (i, [1, 2, i]), lambda *_: 1.0, SamplingSpec())
-    buffer.start_at(5)
-    leases = buffer.lease("colocated", 1000, now=0.0)
+    buffer = RolloutBuffer(cfg, "run", lambda i: (i, [1, 2, i]), SamplingSpec())
+    buffer.batches.start_at(5)
+    leases = buffer.leases.lease("colocated", 1000, now=0.0)
     assert len(leases) == PROMPTS * GROUP
     assert sorted({lease.prompt_id for lease in leases}) == [15, 16, 17]
     with pytest.raises(RuntimeError):
-        buffer.start_at(6)  # only a buffer that has issued nothing can be moved
+        buffer.batches.start_at(6)  # only a buffer that has issued nothing can be moved
 
 
 def test_colocated_rejects_several_ranks(tiny_model_dir, tmp_path):
@@ -158,7 +160,7 @@ def test_launcher_runs_tiny_grpo_colocated(tmp_path, tiny_model_dir):
         "buffer.prompts_per_batch=2",
         "buffer.samples_per_prompt=4",
         "buffer.dynamic_sampling=false",
-        "engine.max_slots=8",
+        "engine.embedded.max_slots=8",
         "metrics.tensorboard=false",
     ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -289,7 +289,7 @@ def test_launcher_runs_tiny_ppo(tmp_path, tiny_model_dir):
         "task.train_size=200",
         "buffer.prompts_per_batch=4",
         "buffer.samples_per_prompt=2",
-        "engine.max_slots=8",
+        "engine.embedded.max_slots=8",
         "transport.heartbeat_s=0.2",
         "optim.warmup_steps=0",
         "rl.critic.optim.warmup_steps=0",

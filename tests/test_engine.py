@@ -12,8 +12,10 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from asyncrl.engine.base import Request, SamplingParams
-from asyncrl.engine.embedded import EmbeddedEngine, EngineConfig
-from asyncrl.models import ModelConfig, load_model, load_tokenizer
+from asyncrl.engine.decoder import CachedDecoder, KVCache
+from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from asyncrl.engine.servers import write_weights_dir
+from asyncrl.models import ModelConfig, load_model, load_tokenizer, model_config
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import TrainerCore
 from asyncrl.trainer.dist import init_distributed
@@ -58,7 +60,7 @@ def run_all(engine: EmbeddedEngine, tokens=None, finished=None, max_steps: int =
     tokens = {} if tokens is None else tokens
     finished = {} if finished is None else finished
     for _ in range(max_steps):
-        if not (engine.running or engine.waiting or engine._aborted):
+        if engine.idle:
             break
         collect(engine.step(), tokens, finished)
     return tokens, finished
@@ -66,7 +68,7 @@ def run_all(engine: EmbeddedEngine, tokens=None, finished=None, max_steps: int =
 
 def wait_staged(engine: EmbeddedEngine, timeout: float = 30.0) -> None:
     deadline = time.time() + timeout
-    while engine._ready is None:
+    while engine.status().staged_version == -1:
         assert time.time() < deadline, "weights were never staged"
         time.sleep(0.005)
 
@@ -79,16 +81,16 @@ def random_sequences(vocab: int, n: int, seed: int) -> list[list[int]]:
 @pytest.mark.parametrize("which", ["qwen2", "llama"])
 def test_logits_equal_transformers(which, tiny_model_dir, llama_dir):
     path = tiny_model_dir if which == "qwen2" else llama_dir
-    engine = EmbeddedEngine(path, EngineConfig(max_slots=4, max_seq_len=64))
+    # The engine's decoder over its slot cache (4 slots of 64 positions).
+    decoder = CachedDecoder(load_model(ModelConfig(path=path)).eval())
+    cache = KVCache.allocate(decoder.model, 4, 64)
     hf = load_model(ModelConfig(path=path)).eval()
     seqs = random_sequences(hf.config.vocab_size, 3, seed=7)
     split = [len(s) // 2 for s in seqs]
     with torch.no_grad():
         refs = [hf(torch.tensor([s]), use_cache=False).logits[0] for s in seqs]
         # Prefill the first halves together (padded batch), then decode the rest together.
-        pre = engine._active.prefill(
-            engine.cache, 1, [s[:k] for s, k in zip(seqs, split)], all_logits=True
-        )
+        pre = decoder.prefill(cache, 1, [s[:k] for s, k in zip(seqs, split)], all_logits=True)
         ours = [[pre[i, : split[i]]] for i in range(3)]
         for t in range(max(len(s) for s in seqs)):
             if all(split[i] + t >= len(seqs[i]) for i in range(3)):
@@ -96,21 +98,18 @@ def test_logits_equal_transformers(which, tiny_model_dir, llama_dir):
             # A finished sequence re-decodes its last token at its last position (same
             # K/V again) so the three slots stay one contiguous range.
             pos = [min(split[i] + t, len(seqs[i]) - 1) for i in range(3)]
-            logits = engine._active.decode(
-                engine.cache, 1, [seqs[i][p] for i, p in enumerate(pos)], pos
-            )
+            logits = decoder.decode(cache, 1, [seqs[i][p] for i, p in enumerate(pos)], pos)
             for i in range(3):
                 if split[i] + t < len(seqs[i]):
                     ours[i].append(logits[i : i + 1])
     for i in range(3):
         diff = (torch.cat(ours[i]) - refs[i]).abs().max().item()
         assert diff <= 1e-4, (which, i, diff)
-    engine.close()
 
 
 def test_greedy_generation_equals_transformers_generate(tiny_model_dir, llama_dir):
     for path in (tiny_model_dir, llama_dir):
-        engine = EmbeddedEngine(path, EngineConfig(max_slots=3, max_seq_len=64))
+        engine = EmbeddedEngine(path, EmbeddedEngineConfig(max_slots=3, max_seq_len=64))
         hf = load_model(ModelConfig(path=path)).eval()
         prompts = random_sequences(hf.config.vocab_size, 5, seed=11)
         for i, p in enumerate(prompts):  # 5 requests through 3 slots: joins and leaves
@@ -144,8 +143,8 @@ def trainer_core(tmp_path_factory, tiny_model_dir):
 def test_behavior_logprobs_equal_trainer_recompute(tiny_model_dir, trainer_core, temperature):
     """The engine's behavior logprobs equal what the FSDP2 trainer recomputes for the same
     tokens and weights, through the trainer's own packed forward pass."""
-    engine = EmbeddedEngine(tiny_model_dir, EngineConfig(max_slots=4, max_seq_len=64))
-    prompts = random_sequences(engine._active.model.config.vocab_size, 4, seed=5)
+    engine = EmbeddedEngine(tiny_model_dir, EmbeddedEngineConfig(max_slots=4, max_seq_len=64))
+    prompts = random_sequences(model_config(tiny_model_dir).vocab_size, 4, seed=5)
     for i, p in enumerate(prompts):
         params = SamplingParams(max_new_tokens=10, temperature=temperature, top_k=20, seed=i)
         engine.submit(Request(str(i), p, params))
@@ -176,9 +175,9 @@ def _perturbed(path: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("policy", ["recompute", "keep"])
 def test_flip_mid_request_versions_and_recompute(tiny_model_dir, policy):
     engine = EmbeddedEngine(
-        tiny_model_dir, EngineConfig(max_slots=2, max_seq_len=64, flip_policy=policy)
+        tiny_model_dir, EmbeddedEngineConfig(max_slots=2, max_seq_len=64, flip_policy=policy)
     )
-    vocab = engine._active.model.config.vocab_size
+    vocab = model_config(tiny_model_dir).vocab_size
     prompt = random_sequences(vocab, 1, seed=2)[0]
     # A stop token outside the vocabulary: generation runs to max_new_tokens.
     engine.eos_ids = set()
@@ -206,8 +205,26 @@ def test_flip_mid_request_versions_and_recompute(tiny_model_dir, policy):
     engine.close()
 
 
+def test_weights_from_a_directory_flip_in_when_waited_for(tiny_model_dir, tmp_path):
+    """``stage_weights`` takes an HF directory as it takes tensors; with ``wait`` the next
+    step already generates with it: the greedy tokens of an engine started from it."""
+    weights = write_weights_dir(_perturbed(tiny_model_dir), tiny_model_dir, tmp_path / "v1")
+    cfg = EmbeddedEngineConfig(max_slots=2, max_seq_len=64)
+    engine, fresh = EmbeddedEngine(tiny_model_dir, cfg), EmbeddedEngine(str(weights), cfg)
+    engine.stage_weights(str(weights), version=1, wait=True)
+    status = engine.status()
+    assert status.version == 1 and status.staged_version == -1
+    got, want = {}, {}
+    for e, tokens in ((engine, got), (fresh, want)):
+        e.submit(Request("r", [3, 4, 5], SamplingParams(max_new_tokens=8, temperature=0.0)))
+        run_all(e, tokens)
+        e.close()
+    assert [t.version for t in got["r"]] == [1] * len(want["r"])
+    assert [t.token_id for t in got["r"]] == [t.token_id for t in want["r"]]
+
+
 def test_abort_frees_the_slot_and_admits_the_next(tiny_model_dir):
-    engine = EmbeddedEngine(tiny_model_dir, EngineConfig(max_slots=2, max_seq_len=64))
+    engine = EmbeddedEngine(tiny_model_dir, EmbeddedEngineConfig(max_slots=2, max_seq_len=64))
     engine.eos_ids = set()
     for i in range(3):
         engine.submit(
@@ -235,9 +252,9 @@ def _rss_mb() -> float:
 
 def test_thousand_random_requests_leave_no_leak(tiny_model_dir):
     engine = EmbeddedEngine(
-        tiny_model_dir, EngineConfig(max_slots=16, max_seq_len=64, max_prefill_tokens=256)
+        tiny_model_dir, EmbeddedEngineConfig(max_slots=16, max_seq_len=64, max_prefill_tokens=256)
     )
-    vocab = engine._active.model.config.vocab_size
+    vocab = model_config(tiny_model_dir).vocab_size
     cache_ptr = engine.cache.k.data_ptr()
     rss = []
     for round_ in range(2):  # the second round must not grow memory
@@ -263,7 +280,7 @@ def test_thousand_random_requests_leave_no_leak(tiny_model_dir):
                 continue
             assert got == finished[rid].num_tokens
             assert got == n if finished[rid].reason == "length" else got <= n
-        assert not engine.running and not engine.waiting and not engine._aborted
+        assert engine.idle
         assert engine.free_slots == 16 and not engine.slots
         assert engine.cache.k.data_ptr() == cache_ptr  # preallocated once, reused
         rss.append(_rss_mb())
@@ -274,7 +291,7 @@ def test_thousand_random_requests_leave_no_leak(tiny_model_dir):
 
 def test_seeded_sampling_does_not_depend_on_the_batch(tiny_model_dir):
     def generate(batch_mates: int) -> list[int]:
-        engine = EmbeddedEngine(tiny_model_dir, EngineConfig(max_slots=8, max_seq_len=64))
+        engine = EmbeddedEngine(tiny_model_dir, EmbeddedEngineConfig(max_slots=8, max_seq_len=64))
         engine.submit(
             Request("me", [4, 5, 6], SamplingParams(max_new_tokens=12, temperature=1.0, seed=123))
         )
@@ -333,13 +350,13 @@ def test_shared_prefill_equals_prefilling_each(tiny_model_dir):
 
     def generate(share: bool):
         engine = EmbeddedEngine(
-            tiny_model_dir, EngineConfig(max_slots=6, max_seq_len=64, share_prefill=share)
+            tiny_model_dir, EmbeddedEngineConfig(max_slots=6, max_seq_len=64, share_prefill=share)
         )
         engine.eos_ids = set()
         for r in requests:
             engine.submit(r)
         tokens, finished = run_all(engine)
-        stats = engine.stats()
+        stats = engine.status().metrics
         engine.close()
         return tokens, finished, stats
 

@@ -18,12 +18,15 @@ from pathlib import Path
 import torch
 import zmq
 
-from asyncrl.buffer.core import BufferConfig, RolloutBuffer
+from asyncrl.buffer.config import BufferConfig
+from asyncrl.buffer.core import RolloutBuffer
 from asyncrl.buffer.rewards import RewardConfig
+from asyncrl.buffer.scoring import InlineScoring
 from asyncrl.buffer.server import BufferServer
-from asyncrl.buffer.wal import Chunked, read_events
+from asyncrl.buffer.wal import Chunked, Rewarded, read_events
 from asyncrl.config import save_json
-from asyncrl.engine.embedded import EngineConfig
+from asyncrl.engine.config import EngineConfig
+from asyncrl.engine.embedded import EmbeddedEngineConfig
 from asyncrl.models import ModelConfig, load_model
 from asyncrl.rollout import RolloutConfig, SamplingConfig, TaskPrompts
 from asyncrl.stages.common import stage_clock
@@ -85,13 +88,13 @@ def test_a_killed_generators_partial_sample_is_continued_not_restarted(tmp_path,
         ),
         sampling=SamplingConfig(max_new_tokens=20, temperature=0.0),
         transport=TransportConfig(chunk_tokens=4, chunk_ms=20.0, heartbeat_s=0.2),
-        engine=EngineConfig(max_slots=2, max_seq_len=128, threads=1),
+        engine=EngineConfig(embedded=EmbeddedEngineConfig(max_slots=2, max_seq_len=128, threads=1)),
     )
     config_path = tmp_path / "rollout.json"
     save_json(cfg, config_path)
     prompts = TaskPrompts(build_task(cfg.task), tiny_model_dir, cfg.seed)
-    buffer = RolloutBuffer(cfg.buffer, "f", prompts, lambda *_: 1.0, cfg.sampling.spec())
-    server = BufferServer(cfg, buffer)
+    buffer = RolloutBuffer(cfg.buffer, "f", prompts, cfg.sampling.spec())
+    server = BufferServer(cfg, buffer, InlineScoring(lambda *_: 1.0))
     serving = threading.Thread(target=server.serve, daemon=True)
     serving.start()
     procs = []
@@ -109,7 +112,8 @@ def test_a_killed_generators_partial_sample_is_continued_not_restarted(tmp_path,
             env=_env(),
         )
         procs.append(dying)
-        slot = lambda: next(iter(buffer.groups.values())).slots[0] if buffer.groups else None  # noqa: E731
+        groups = buffer.state.groups
+        slot = lambda: next(iter(groups.values())).slots[0] if groups else None  # noqa: E731
         _wait(lambda: slot() is not None and len(slot().token_ids) == len(PREFIX), 60, "the prefix")
         dying.send_signal(signal.SIGKILL)
         dying.wait()
@@ -127,8 +131,8 @@ def test_a_killed_generators_partial_sample_is_continued_not_restarted(tmp_path,
         )
         procs.append(worker)
         # Scored inline when it finishes: the group is ready for a batch then.
-        _wait(lambda: len(buffer.ready) == 1, 120, "the sample to finish")
-        sample = buffer.batch_for(0, 0, 1)[0]
+        _wait(lambda: len(buffer.state.ready) == 1, 120, "the sample to finish")
+        sample = buffer.batches.batch_for(0, 0, 1)[0]
     finally:
         for p in procs:
             p.kill()
@@ -137,7 +141,7 @@ def test_a_killed_generators_partial_sample_is_continued_not_restarted(tmp_path,
         serving.join(timeout=30)
     prompt_len = sample.loss_mask.index(1)
     completion = sample.token_ids[prompt_len:]
-    assert buffer.counts["leases_reissued"] == 1
+    assert buffer.state.counts["leases_reissued"] == 1
     assert completion[: len(PREFIX)] == PREFIX  # kept, not regenerated
     assert sample.versions[prompt_len : prompt_len + len(PREFIX)] == [PREFIX_VERSION] * len(PREFIX)
     assert sample.logprobs[prompt_len : prompt_len + len(PREFIX)] == [PREFIX_LOGPROB] * len(PREFIX)
@@ -226,7 +230,20 @@ def test_a_sigkilled_buffer_comes_back_with_everything_it_accepted(tmp_path, tin
         # The last sample of the first two prompts: not a lease the dead process issued.
         assert (grant.leases[0].group_id, grant.leases[0].sample_index) == (1, 1)
         _wait(lambda: "restored" in log.read_text(), 30, "the restore message")
-        time.sleep(1.0)  # the chunk and the scoring
+        # The chunk sent after the restart finishes leases[0]'s sample; its reward is logged
+        # in the loop turn that applied the chunk and scored any sample the replay left
+        # unscored, so once it is in the log the counters below are final.
+        key = (leases[0].group_id, leases[0].sample_index)
+        segments = lambda: (tmp_path / "buffer_wal").glob("*.wal")  # noqa: E731
+        _wait(
+            lambda: any(
+                isinstance(e, Rewarded) and tuple(e.key) == key
+                for p in segments()
+                for e in read_events(p.read_bytes())
+            ),
+            60,
+            "the reward of the sample finished after the restart",
+        )
     finally:
         ctx.destroy(linger=0)
         buffer.send_signal(signal.SIGTERM)
@@ -247,4 +264,7 @@ def test_trainer_ranks_restarted_by_one_launch_keep_its_clock(tmp_path, monkeypa
     time.sleep(0.05)
     assert stage_clock(str(tmp_path), dist_info) == first  # the restarted process
     monkeypatch.setenv("ASYNCRL_LAUNCH_ID", "launch-2")
-    assert stage_clock(str(tmp_path), dist_info) > first  # relaunched: a fresh clock
+    second = stage_clock(str(tmp_path), dist_info)
+    assert second != first  # relaunched: a fresh clock, saved for this launch's restarts
+    saved = json.loads((tmp_path / "clock.json").read_text())
+    assert saved == {"launch": "launch-2", "start": second}

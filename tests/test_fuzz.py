@@ -22,13 +22,14 @@ import torch
 import zmq
 
 from asyncrl.buffer.client import BufferClient
-from asyncrl.buffer.core import BufferConfig
+from asyncrl.buffer.config import BufferConfig
 from asyncrl.config import save_json
-from asyncrl.engine.embedded import EngineConfig
+from asyncrl.engine.config import EngineConfig
+from asyncrl.engine.embedded import EmbeddedEngineConfig
 from asyncrl.models import ModelConfig
 from asyncrl.rollout import RolloutConfig, SamplingConfig
 from asyncrl.tasks import TaskConfig
-from asyncrl.trainer.publish import WeightPublisher
+from asyncrl.trainer.publish import ZmqWeightPublisher
 from asyncrl.transport import TransportConfig, bind, make_socket, read_endpoints, write_endpoints
 from asyncrl.wire import (
     PROTOCOL_VERSION,
@@ -112,7 +113,7 @@ def _config(tmp_path, model_dir: str) -> RolloutConfig:
         buffer=BufferConfig(prompts_per_batch=2, samples_per_prompt=2),
         sampling=SamplingConfig(max_new_tokens=8),
         transport=TransportConfig(heartbeat_s=0.1),
-        engine=EngineConfig(max_slots=2, max_seq_len=64, threads=1),
+        engine=EngineConfig(embedded=EmbeddedEngineConfig(max_slots=2, max_seq_len=64, threads=1)),
     )
 
 
@@ -322,7 +323,7 @@ def test_fuzzing_the_weights_publisher(tmp_path):
     receives the next version intact."""
     transport = TransportConfig(max_message_bytes=1 << 16)
     cfg = SimpleNamespace(run_dir=str(tmp_path), run_id=RUN, transport=transport)
-    publisher = WeightPublisher(cfg)
+    publisher = ZmqWeightPublisher(cfg)
     ctx = zmq.Context()
     try:
         endpoint = read_endpoints(tmp_path, "trainer", timeout_s=10)["weights"]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.engine.base import SamplingParams
-from asyncrl.engine.embedded import EmbeddedEngine, EngineConfig
+from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from asyncrl.models import load_tokenizer
 from asyncrl.stages import preference_data
 from asyncrl.stages.preference_data import (
@@ -133,7 +133,7 @@ def test_stored_text_tokenizes_back_to_the_generated_ids(tiny_model_dir):
     params = [
         SamplingParams(max_new_tokens=8, temperature=1.0, seed=i) for i in range(len(prompts))
     ]
-    engine = EmbeddedEngine(tiny_model_dir, EngineConfig(max_slots=16, max_seq_len=64))
+    engine = EmbeddedEngine(tiny_model_dir, EmbeddedEngineConfig(max_slots=16, max_seq_len=64))
     try:
         completions = sample_completions(engine, prompts, params, max_queued=16)
     finally:

@@ -20,10 +20,11 @@ import pytest
 import torch
 import zmq
 
-from asyncrl.config import ConfigError, apply_overrides
+from asyncrl.config import ConfigError, apply_overrides, load_json, save_json
 from asyncrl.engine import sglang_api as api
 from asyncrl.engine.base import Request, SamplingParams
-from asyncrl.engine.embedded import EmbeddedEngine, EngineConfig
+from asyncrl.engine.config import EngineConfig
+from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from asyncrl.engine.remote import RemoteEngine
 from asyncrl.engine.servers import RemoteEngineConfig, write_weights_dir
 from asyncrl.metrics import read_metrics
@@ -45,9 +46,9 @@ def remote_config(
     if server == "sglang":
         remote.setdefault("mem_fraction_static", 0.3)
     return EngineConfig(
-        threads=1,
         backend="remote",
         remote=RemoteEngineConfig(
+            threads=1,
             server=server,
             num_servers=num_servers,
             max_inflight=max_inflight,
@@ -92,7 +93,7 @@ def server_stats(url: str) -> dict:
 
 @pytest.fixture(scope="module")
 def two_servers(tiny_model_dir):
-    engine = RemoteEngine(tiny_model_dir, remote_config(num_servers=2))
+    engine = RemoteEngine(tiny_model_dir, remote_config(num_servers=2).remote)
     yield engine
     engine.close()
     assert all(s.server.process.poll() is not None for s in engine.servers)  # stopped
@@ -106,7 +107,7 @@ def test_greedy_tokens_and_logprobs_match_the_embedded_engine(two_servers, tiny_
     for r in requests:
         two_servers.submit(r)
     tokens, finished = drain(two_servers, [r.request_id for r in requests])
-    local = EmbeddedEngine(tiny_model_dir, EngineConfig(max_slots=8, threads=1))
+    local = EmbeddedEngine(tiny_model_dir, EmbeddedEngineConfig(max_slots=8, threads=1))
     for r in requests:
         local.submit(r)
     want_tokens, want_finished = drain(local, [r.request_id for r in requests])
@@ -119,9 +120,9 @@ def test_greedy_tokens_and_logprobs_match_the_embedded_engine(two_servers, tiny_
         assert finished[r.request_id] == want_finished[r.request_id]
     # Both servers served requests.
     assert all(server_stats(url)["engine/prefill_tokens"] > 0 for url in two_servers.urls)
-    stats = two_servers.stats()
-    assert stats["engine/running"] == stats["engine/waiting"] == 0
-    assert stats["engine/free_slots"] == 2 * 64
+    status = two_servers.status()
+    assert status.running == status.waiting == 0
+    assert status.free_slots == 2 * 64
 
 
 def test_sampled_requests_and_stop_tokens(two_servers):
@@ -164,7 +165,7 @@ def test_abort_a_running_request(two_servers):
             post(url, "/slow_down", {"forward_sleep_time": None})
     assert finished["long"].reason == "abort"
     assert 2 <= finished["long"].num_tokens == len(tokens["long"]) < 100
-    assert two_servers.stats()["engine/aborted"] >= 1
+    assert two_servers.status().metrics["engine/aborted"] >= 1
 
 
 def perturbed_weights(model_dir: str, out_dir: Path) -> Path:
@@ -176,15 +177,16 @@ def perturbed_weights(model_dir: str, out_dir: Path) -> Path:
 def test_staged_tensors_reach_every_server(two_servers, tiny_model_dir, tmp_path):
     """``stage_weights`` (raw tensors, as the embedded engine takes them) writes a directory
     both servers load, one after the other; the engine's version then advances, and
-    greedy tokens are the new weights' (the module's last use of the two servers)."""
+    greedy tokens are the new weights' (the module's last use of the two servers). A
+    directory staged with ``wait`` is in use when the call returns."""
     weights = perturbed_weights(tiny_model_dir, tmp_path / "v1")
     two_servers.stage_weights(load_model(ModelConfig(path=str(weights))).state_dict(), 1)
     deadline = time.time() + 60
-    while two_servers.stats()["engine/version"] < 1:
-        assert time.time() < deadline, two_servers.stats()
+    while two_servers.status().version < 1:
+        assert time.time() < deadline, two_servers.status()
         two_servers.step()
-    assert two_servers.stats()["engine/weight_updates"] == 1
-    assert two_servers.stats()["engine/staged_version"] == -1
+    assert two_servers.status().metrics["engine/weight_updates"] == 1
+    assert two_servers.status().staged_version == -1
     requests = [
         Request(f"w{i}", p, SamplingParams(max_new_tokens=6, temperature=0.0))
         for i, p in enumerate(PROMPTS[:4])
@@ -192,7 +194,7 @@ def test_staged_tensors_reach_every_server(two_servers, tiny_model_dir, tmp_path
     for r in requests:
         two_servers.submit(r)
     tokens, _ = drain(two_servers, [r.request_id for r in requests])
-    local = EmbeddedEngine(str(weights), EngineConfig(max_slots=8, threads=1))
+    local = EmbeddedEngine(str(weights), EmbeddedEngineConfig(max_slots=8, threads=1))
     for r in requests:
         local.submit(r)
     want, _ = drain(local, [r.request_id for r in requests])
@@ -202,6 +204,10 @@ def test_staged_tensors_reach_every_server(two_servers, tiny_model_dir, tmp_path
         assert [t.token_id for t in tokens[r.request_id]] == [
             t.token_id for t in want[r.request_id]
         ]
+    two_servers.stage_weights(str(weights), 2, wait=True)
+    status = two_servers.status()
+    assert status.version == 2 and status.metrics["engine/weight_updates"] == 2
+    assert all(state.version == 2 for state in two_servers.servers)
 
 
 @pytest.mark.parametrize(
@@ -214,20 +220,20 @@ def test_a_request_in_flight_across_a_weight_update_resumes(tiny_model_dir, tmp_
     are version 0 and the rest version 1, ``max_new_tokens`` in all. The server
     prefilled the prompt, then the prompt plus the tokens before the interruption."""
     weights = perturbed_weights(tiny_model_dir, tmp_path / "v1")
-    engine = RemoteEngine(tiny_model_dir, remote_config(max_inflight=1, server=server))
+    engine = RemoteEngine(tiny_model_dir, remote_config(max_inflight=1, server=server).remote)
     url = engine.urls[0]
     try:
         post(url, "/slow_down", {"forward_sleep_time": 0.03})
         prompt = [3, 4, 5, 6]
         engine.submit(Request("a", prompt, SamplingParams(max_new_tokens=40, temperature=0.0)))
         engine.submit(Request("queued", prompt, SamplingParams(max_new_tokens=40)))
-        assert engine.stats()["engine/waiting"] >= 1  # max_inflight=1: the second waits
+        assert engine.status().waiting >= 1  # max_inflight=1: the second waits
         engine.abort("queued")
         updated = []
 
         def update_once(tokens):
             if not updated and len(tokens.get("a", [])) >= 5:
-                engine.load_from_disk(str(weights), 1)
+                engine.stage_weights(str(weights), 1)
                 updated.append(True)
 
         tokens, finished = drain(engine, ["a", "queued"], on_tokens=update_once)
@@ -238,8 +244,9 @@ def test_a_request_in_flight_across_a_weight_update_resumes(tiny_model_dir, tmp_
         assert finished["a"].reason == "length" and finished["a"].num_tokens == 40
         assert len(versions) == 40 and versions == [0] * before + [1] * (40 - before)
         assert 5 <= before < 40
-        stats = engine.stats()
-        assert stats["engine/version"] == 1 and stats["engine/staged_version"] == -1
+        status = engine.status()
+        assert status.version == 1 and status.staged_version == -1
+        stats = status.metrics
         assert stats["engine/resent"] == 1 and stats["engine/weight_updates"] == 1
         assert stats["engine/resent_tokens"] == len(prompt) + before
         if server == "sglang":  # its kernels are not the embedded engine's: no exact check
@@ -247,7 +254,7 @@ def test_a_request_in_flight_across_a_weight_update_resumes(tiny_model_dir, tmp_
         # What the server saw: the prompt, then prompt + the first tokens (re-prefilled).
         assert server_stats(url)["engine/prefill_tokens"] == len(prompt) + len(prompt) + before
         # The resumed tokens are the new weights' greedy continuation of the prefix.
-        local = EmbeddedEngine(str(weights), EngineConfig(max_slots=2, threads=1))
+        local = EmbeddedEngine(str(weights), EmbeddedEngineConfig(max_slots=2, threads=1))
         prefix = [t.token_id for t in tokens["a"][:before]]
         local.submit(
             Request(
@@ -260,8 +267,9 @@ def test_a_request_in_flight_across_a_weight_update_resumes(tiny_model_dir, tmp_
         assert [t.logprob for t in tokens["a"][before:]] == pytest.approx(
             [t.logprob for t in want["b"]], abs=1e-4
         )
-        engine.load_from_disk(str(weights), 1)  # a republish of the same version: ignored
-        assert engine.stats()["engine/staged_version"] == -1
+        engine.stage_weights(str(weights), 1)  # a republish of the same version: ignored
+        assert engine.status().staged_version == -1
+        engine.stage_weights(str(weights), 1, wait=True)  # already in use: returns at once
     finally:
         engine.close()
 
@@ -346,6 +354,20 @@ def test_remote_config_is_checked(tiny_model_dir):
             NcclWeightPublisher(cfg)
 
 
+def test_engine_overrides_go_to_the_backend_sections(tmp_path):
+    """Each backend's settings are under its own section; a key outside them names the
+    section key it meant; a saved rollout config reads back the same."""
+    cfg = RLExperiment(run_dir=str(tmp_path))
+    apply_overrides(cfg, ["engine.embedded.max_slots=8", "engine.remote.threads=2"])
+    assert cfg.engine.embedded.max_slots == 8 and cfg.engine.threads == 0  # embedded's
+    apply_overrides(cfg, ["engine.backend=remote"])
+    assert cfg.engine.threads == 2
+    with pytest.raises(ConfigError, match="engine.embedded.max_slots"):
+        apply_overrides(cfg, ["engine.max_slots=8"])
+    save_json(cfg.rollout(), tmp_path / "rollout.json")
+    assert load_json(tmp_path / "rollout.json").engine == cfg.engine
+
+
 @pytest.mark.slow
 def test_launcher_runs_tiny_grpo_with_remote_generators(tmp_path, tiny_model_dir):
     """The asynchronous loop with a generator driving a launched embedded server: versions
@@ -365,7 +387,7 @@ def test_launcher_runs_tiny_grpo_with_remote_generators(tmp_path, tiny_model_dir
         "buffer.samples_per_prompt=4",
         "buffer.dynamic_sampling=false",
         "buffer.max_staleness=1",
-        "engine.max_slots=8",
+        "engine.embedded.max_slots=8",
         "transport.heartbeat_s=0.2",
         "engine.backend=remote",
         "engine.remote.server=embedded",
@@ -397,7 +419,7 @@ def test_launcher_runs_tiny_grpo_with_remote_generators(tmp_path, tiny_model_dir
 def test_nccl_publisher_broadcasts_into_a_sglang_server(tiny_model_dir, tmp_path, dist_info):
     """Rank 0 joins an NCCL group with the server, broadcasts perturbed weights as v1; the
     server then generates the new weights' greedy tokens, reported as version 1."""
-    from asyncrl.engine.remote import generator_engine
+    from asyncrl.generator.worker import make_engine
 
     run_dir = tmp_path / "run"
     engine_cfg = remote_config(server="sglang", weight_update="nccl")
@@ -408,7 +430,7 @@ def test_nccl_publisher_broadcasts_into_a_sglang_server(tiny_model_dir, tmp_path
         transport=TransportConfig(),
         engine=engine_cfg,
     )
-    engine = generator_engine(cfg, tiny_model_dir, "g0")
+    engine = make_engine(cfg, tiny_model_dir, "g0")
     publisher = NcclWeightPublisher(cfg)
     try:
         weights = perturbed_weights(tiny_model_dir, tmp_path / "v1")
@@ -416,8 +438,8 @@ def test_nccl_publisher_broadcasts_into_a_sglang_server(tiny_model_dir, tmp_path
         assert publisher.publish(1, state) > 0
         engine.submit(Request("a", [3, 4, 5], SamplingParams(max_new_tokens=8, temperature=0.0)))
         tokens, _ = drain(engine, ["a"])
-        assert {t.version for t in tokens["a"]} == {1} and engine.stats()["engine/version"] == 1
-        local = EmbeddedEngine(str(weights), EngineConfig(max_slots=2, threads=1))
+        assert {t.version for t in tokens["a"]} == {1} and engine.status().version == 1
+        local = EmbeddedEngine(str(weights), EmbeddedEngineConfig(max_slots=2, threads=1))
         local.submit(Request("a", [3, 4, 5], SamplingParams(max_new_tokens=8, temperature=0.0)))
         want, _ = drain(local, ["a"])
         local.close()

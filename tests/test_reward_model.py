@@ -16,12 +16,15 @@ import torch
 
 from asyncrl.buffer import reward_model
 from asyncrl.buffer.client import BufferClient
-from asyncrl.buffer.core import BufferConfig, RolloutBuffer
+from asyncrl.buffer.config import BufferConfig
+from asyncrl.buffer.core import RolloutBuffer
+from asyncrl.buffer.groups import ToScore
 from asyncrl.buffer.reward_model import RewardModelScorer, score_sequences
 from asyncrl.buffer.rewards import RewardConfig
 from asyncrl.buffer.scoring import Scoring, buffer_counters
 from asyncrl.buffer.server import BufferServer
-from asyncrl.engine.embedded import EmbeddedEngine, EngineConfig
+from asyncrl.engine.config import EngineConfig
+from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from asyncrl.generator.worker import GeneratorWorker
 from asyncrl.metrics import MetricsConfig
 from asyncrl.models import ModelConfig, load_model, load_tokenizer
@@ -153,10 +156,16 @@ def test_reward_config_needs_a_model_path_for_model_sources(tiny_model_dir):
 
 
 class _Buffer:
-    """What ``Scoring.pump`` touches of a ``RolloutBuffer``."""
+    """What ``Scoring.pump`` touches of a ``RolloutBuffer``: its ``assembler``'s
+    ``take_unscored`` and ``on_reward``."""
 
     def __init__(self, unscored) -> None:
         self.unscored, self.rewards = list(unscored), {}
+        self.assembler = self
+
+    def take_unscored(self) -> list[ToScore]:
+        taken, self.unscored = self.unscored, []
+        return taken
 
     def on_reward(self, key, reward) -> None:
         assert key not in self.rewards
@@ -186,7 +195,7 @@ def test_scoring_combines_verifier_and_model_by_source(source, tiny_model_dir, r
             verifier = task.score(example, text)
             assert (verifier == 1.0) == (j == 0)
             (model,) = score_sequences(rm, [prompt + completion], 0)
-            unscored.append(((i, j), i, completion))
+            unscored.append(ToScore((i, j), i, completion, "eos"))
             expected[(i, j)] = {
                 "verifier": verifier,
                 "model": model,
@@ -202,7 +211,7 @@ def test_scoring_combines_verifier_and_model_by_source(source, tiny_model_dir, r
         assert buffer.rewards.keys() == expected.keys()
         for key, value in expected.items():
             assert buffer.rewards[key] == pytest.approx(value, abs=1e-5)
-        counters = buffer_counters(RolloutBuffer(BufferConfig(), "r", None, None, None), scoring)
+        counters = buffer_counters(RolloutBuffer(BufferConfig(), "r", None, None), scoring)
         assert ("buffer/reward_model_scored" in counters) == (source != "verifier")
         if source != "verifier":
             assert counters["buffer/reward_model_scored"] == 6.0
@@ -222,15 +231,15 @@ def test_real_buffer_run_trains_on_reward_model_scores(tiny_model_dir, rm_dir, r
         buffer=BufferConfig(prompts_per_batch=2, samples_per_prompt=3, checkpoint_s=0),
         sampling=SamplingConfig(max_new_tokens=6, temperature=1.0),
         reward=RewardConfig(workers=0, source="model", model_path=rm_dir, model_batch_size=4),
-        engine=EngineConfig(max_slots=4, max_seq_len=64, threads=1),
+        engine=EngineConfig(embedded=EmbeddedEngineConfig(max_slots=4, max_seq_len=64, threads=1)),
         metrics=MetricsConfig(tensorboard=False, progress_bar=False),
     )
     prompts = TaskPrompts(build_task(cfg.task), cfg.model.path, cfg.seed)
-    buffer = RolloutBuffer(cfg.buffer, cfg.run_id, prompts, None, cfg.sampling.spec())
+    buffer = RolloutBuffer(cfg.buffer, cfg.run_id, prompts, cfg.sampling.spec())
     server = BufferServer(cfg, buffer, Scoring(cfg))
     threads = [threading.Thread(target=server.serve, daemon=True)]
     threads[0].start()
-    engine = EmbeddedEngine(tiny_model_dir, cfg.engine)
+    engine = EmbeddedEngine(tiny_model_dir, cfg.engine.embedded)
     worker = GeneratorWorker(cfg, "g0", engine)
     threads.append(threading.Thread(target=worker.run, daemon=True))
     threads[1].start()

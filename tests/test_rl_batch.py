@@ -6,7 +6,6 @@ step, so both forwards see the same weights); a group's prompt computed once
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 
 import pytest
 import torch
@@ -16,10 +15,11 @@ from asyncrl.config import ConfigError
 from asyncrl.models import ModelConfig, load_model
 from asyncrl.stages.rl import RLConfig, RLExperiment
 from asyncrl.stages.rl_batch import (
+    add_reference_logprobs,
     penalize_kl_in_rewards,
     policy_loss,
     policy_updates,
-    recompute_logprobs,
+    proximal_logprobs,
 )
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import TrainerCore
@@ -75,13 +75,18 @@ def _loss_and_grads(
 ):
     micro = make_micro_batches(seqs, row, "packed", 0, row, sizes, share)  # several micro-batches
     assert len(micro) > 1
-    recompute_logprobs(core, micro, reference, TEMPERATURE, proximal=separate_pass)
-    assert ("proximal" in micro[0].fields) == separate_pass
+    proximal = [None] * len(micro)
+    if separate_pass:
+        proximal = proximal_logprobs(core, micro, TEMPERATURE)
+    if reference is not None:
+        add_reference_logprobs(reference, micro, core.info.device, TEMPERATURE)
+    assert "proximal" not in micro[0].fields  # passed to the loss, never stored
     loss_fn = policy_loss(cfg, TEMPERATURE)
     core.optimizer.zero_grad(set_to_none=True)
     total = torch.zeros(())
-    for mb in micro:
-        loss_sum, _ = loss_fn(core.forward(mb), mb)
+    for mb, prox in zip(micro, proximal, strict=True):
+        loss_sum, _, used = loss_fn(core.forward(mb), mb, prox)
+        assert used is not None and (prox is None or torch.equal(used.cpu(), prox))
         loss_sum.backward()
         total += loss_sum.detach()
     return total, full_grads(core.model), micro
@@ -109,9 +114,11 @@ def test_proximal_from_the_steps_own_forward_equals_the_separate_pass(
     # (the behavior policy's logprobs here) gives another loss.
     first = micro[0]
     with torch.no_grad():
-        own = policy_loss(cfg, TEMPERATURE)(core.forward(first), first)[0]
-        other = replace(first, fields={**first.fields, "proximal": first.fields["behavior"]})
-        assert not torch.allclose(policy_loss(cfg, TEMPERATURE)(core.forward(other), other)[0], own)
+        own = policy_loss(cfg, TEMPERATURE)(core.forward(first), first, None)[0]
+        other = first.fields["behavior"]
+        assert not torch.allclose(
+            policy_loss(cfg, TEMPERATURE)(core.forward(first), first, other)[0], own
+        )
 
 
 @pytest.mark.parametrize("separate_pass", [False, True])
@@ -172,12 +179,14 @@ def test_several_updates_on_a_batch_keep_the_proximal_policy_of_the_steps_start(
     assert len(micro[0]) > 1
     loss_fn = policy_loss(cfg, TEMPERATURE)
     stats = policy_updates(kept, micro[0], loss_fn, epochs=2)
-    assert all("proximal" in mb.fields for mb in micro[0])
-    assert kept.step == 1 and kept.scheduler.last_epoch == 2 and not stats.skipped
-    recompute_logprobs(passed, micro[1], None, TEMPERATURE, proximal=True)
-    policy_updates(passed, micro[1], loss_fn, epochs=2)
-    recompute_logprobs(by_hand, micro[2], None, TEMPERATURE, proximal=True)
-    first = [by_hand.train_step(micro[2], loss_fn) for _ in range(2)][0]
+    assert len(stats.outputs) == len(micro[0])  # the proximal logprobs of every micro-batch
+    assert all(p is not None for p in stats.outputs)
+    assert not any("proximal" in mb.fields for mb in micro[0])  # passed, never stored
+    # Two updates, one step: the loop advances the version, policy_updates does not.
+    assert kept.step == 0 and kept.scheduler.last_epoch == 2 and not stats.skipped
+    policy_updates(passed, micro[1], loss_fn, 2, proximal_logprobs(passed, micro[1], TEMPERATURE))
+    proximal = proximal_logprobs(by_hand, micro[2], TEMPERATURE)
+    first = [by_hand.train_step(micro[2], loss_fn, loss_inputs=proximal) for _ in range(2)][0]
     assert stats.loss == pytest.approx(first.loss, rel=1e-6)
     for name, p in kept.model.named_parameters():
         for other in (passed, by_hand):

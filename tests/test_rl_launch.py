@@ -43,7 +43,7 @@ def test_launcher_runs_tiny_grpo(tmp_path, tiny_model_dir, max_staleness):
         "buffer.samples_per_prompt=4",
         "buffer.dynamic_sampling=false",
         f"buffer.max_staleness={max_staleness}",
-        "engine.max_slots=8",
+        "engine.embedded.max_slots=8",
         "transport.heartbeat_s=0.2",
         "num_generators=2",
     ] + extra
@@ -106,7 +106,10 @@ def check_generator_metrics(run_dir: Path) -> None:
     assert summary["update_steps"] >= 2 and summary["steps"] > summary["update_steps"]
     assert 0 < summary["steady_step_ms_p50"] <= summary["steady_step_ms_p99"]
     assert 0 < summary["update_step_ms_p50"] <= summary["update_step_ms_p99"]
-    assert 0 <= summary["weight_stage_s"] <= summary["weight_flip_s"]
+    # Means over different sets (a version superseded before its flip is staged, never
+    # flipped): no order between them is guaranteed, only that both were measured.
+    for key in ("weight_stage_s", "weight_flip_s"):
+        assert math.isfinite(summary[key]) and summary[key] >= 0, (key, summary[key])
 
 
 def check_run_report(run_dir: Path, consumed: int) -> None:
@@ -149,7 +152,7 @@ def test_a_killed_generator_is_restarted_and_catches_up(tmp_path, tiny_model_dir
         "buffer.samples_per_prompt=4",
         "buffer.dynamic_sampling=false",
         "buffer.max_staleness=1",
-        "engine.max_slots=8",
+        "engine.embedded.max_slots=8",
         "transport.heartbeat_s=0.2",
         "num_generators=1",
     ]
@@ -222,7 +225,7 @@ def test_sigterm_to_the_launcher_stops_every_process(tmp_path, tiny_model_dir):
         "task.rl_split=train",
         "buffer.prompts_per_batch=2",
         "buffer.samples_per_prompt=4",
-        "engine.max_slots=8",
+        "engine.embedded.max_slots=8",
     ]
     launcher = subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

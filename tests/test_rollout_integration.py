@@ -16,9 +16,10 @@ from pathlib import Path
 import zmq
 
 from asyncrl.buffer.client import BufferClient
-from asyncrl.buffer.core import BufferConfig
+from asyncrl.buffer.config import BufferConfig
 from asyncrl.config import save_json
-from asyncrl.engine.embedded import EngineConfig
+from asyncrl.engine.config import EngineConfig
+from asyncrl.engine.embedded import EmbeddedEngineConfig
 from asyncrl.metrics import MetricsConfig, read_metrics
 from asyncrl.models import ModelConfig, load_model
 from asyncrl.rollout import RolloutConfig, SamplingConfig
@@ -51,7 +52,7 @@ def test_buffer_generators_and_consumer_survive_a_generator_kill(tmp_path, tiny_
         ),
         sampling=SamplingConfig(max_new_tokens=24, temperature=1.0),
         transport=TransportConfig(chunk_tokens=4, chunk_ms=20.0, heartbeat_s=0.2),
-        engine=EngineConfig(max_slots=4, max_seq_len=128, threads=1),
+        engine=EngineConfig(embedded=EmbeddedEngineConfig(max_slots=4, max_seq_len=128, threads=1)),
         metrics=MetricsConfig(tensorboard=False, interval_s=0.5),
     )
     config_path = tmp_path / "rollout.json"

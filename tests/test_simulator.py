@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.buffer.core import BufferConfig, RolloutBuffer
+from asyncrl.buffer.config import BufferConfig
+from asyncrl.buffer.core import RolloutBuffer
+from asyncrl.buffer.scoring import InlineScoring
 from asyncrl.generator.stats import GeneratorStats, batch_bucket
 from asyncrl.sim import SimConfig, SimParams, run_simulation, simulate
 from asyncrl.sim.buffer import SimBuffer
@@ -110,9 +112,9 @@ def test_admission_matches_the_real_buffer_step_by_step():
         ),
         "run",
         lambda pos: (pos, [1, 2, 3]),
-        lambda prompt_id, tokens, reason: float(tokens[0]),
         SamplingSpec(),
     )
+    scoring = InlineScoring(lambda prompt_id, tokens, reason: float(tokens[0]))
     params = small_params(filter_schedule=[(0, 0.0)])
     cfg = small_config(
         prompts_per_batch=B, samples_per_prompt=n, max_staleness=eta, dynamic_sampling=True
@@ -121,7 +123,7 @@ def test_admission_matches_the_real_buffer_step_by_step():
     real_leases, sim_leases = [], []
 
     def lease() -> tuple[int, int]:
-        got_real, got_sim = real.lease("g0", 100, 0.0), sim.lease(100)
+        got_real, got_sim = real.leases.lease("g0", 100, 0.0), sim.lease(100)
         real_leases.extend(got_real)
         sim_leases.extend(got_sim)
         return len(got_real), len(got_sim)
@@ -131,7 +133,7 @@ def test_admission_matches_the_real_buffer_step_by_step():
         for j in range(n):
             lease_ = real_leases[i * n + j]
             token = j if keep else 1  # distinct rewards keep a group, equal ones filter it
-            real.on_chunk(
+            real.leases.on_chunk(
                 Chunk(
                     run_id="run",
                     worker_id="g0",
@@ -145,6 +147,7 @@ def test_admission_matches_the_real_buffer_step_by_step():
                 ),
                 0.0,
             )
+            scoring.pump(real)
             sample = sim_leases[i * n + j]
             sample.first_version = version
             sim.finish(sample)
@@ -156,25 +159,25 @@ def test_admission_matches_the_real_buffer_step_by_step():
     finish_group(1, keep=False, version=0)  # filtered: its count goes back, one new prompt
     assert lease() == (n, n)
     finish_group(2, keep=True, version=0)
-    assert real.batch_for(0, 0, 1) is not None and sim.take(0) is not None
+    assert real.batches.batch_for(0, 0, 1) is not None and sim.take(0) is not None
     assert lease() == (0, 0)  # consuming does not open the gate; a new version does
-    real.set_version(1)
+    real.batches.set_version(1)
     sim.set_version(1)
     assert lease() == (B * n, B * n)
     finish_group(3, keep=True, version=0)
     finish_group(4, keep=True, version=2)
-    real.set_version(3)
+    real.batches.set_version(3)
     sim.set_version(3)
     # at step 3 group 3 (version 0) is stale (3 − 0 > η): dropped, its prompt re-queued;
     # group 4 (version 2) is fresh but alone, so no batch yet
-    assert real.batch_for(3, 0, 1) is None and sim.take(3) is None
-    assert real.counts["groups_stale"] == sim.counts["groups_stale"] == 1
-    assert real.prompts_counted == sim.prompts_counted == 5
+    assert real.batches.batch_for(3, 0, 1) is None and sim.take(3) is None
+    assert real.state.counts["groups_stale"] == sim.counts["groups_stale"] == 1
+    assert real.state.prompts_counted == sim.prompts_counted == 5
     assert lease() == (5 * n, 5 * n)  # the re-queued prompt and 4 new: (3 + η + 1)·B counted
-    assert real.prompts_counted == sim.prompts_counted == (3 + eta + 1) * B
+    assert real.state.prompts_counted == sim.prompts_counted == (3 + eta + 1) * B
     # the stale group's prompt went out again first, in both
     assert real_leases[-5 * n].prompt_id == real_leases[3 * n].prompt_id and not sim.retry
-    assert real.counts["samples_created"] == sim.counts["samples_created"]
+    assert real.state.counts["samples_created"] == sim.counts["samples_created"]
     assert len(real_leases) == len(sim_leases)
 
 

@@ -40,7 +40,7 @@ SHORT_RUN = [
     "buffer.prompts_per_batch=2",
     "buffer.samples_per_prompt=4",
     "buffer.dynamic_sampling=false",
-    "engine.max_slots=8",
+    "engine.embedded.max_slots=8",
     "transport.heartbeat_s=0.2",
     "metrics.tensorboard=false",
     "num_generators=1",
@@ -56,14 +56,20 @@ SLEEP = _python("import time; time.sleep(600)")
 
 
 def test_supervisor_restarts_generators_and_stops_the_rest_when_the_trainer_ends(tmp_path, capfd):
-    marker = tmp_path / "died_once"
+    marker, restarted = tmp_path / "died_once", tmp_path / "restarted"
     # Dies the first time (as a killed generator would), runs until stopped the second.
     flaky = _python(
         f"import pathlib, sys, time\nm = pathlib.Path({str(marker)!r})\n"
         "if not m.exists(): m.touch(); print('dying now', flush=True); sys.exit(3)\n"
-        "time.sleep(600)"
+        f"pathlib.Path({str(restarted)!r}).touch()\ntime.sleep(600)"
     )
-    trainer = _python("import time; time.sleep(2); print('trained')")
+    # The trainer ends once the generator runs again (a fixed sleep would race the restart
+    # on a loaded machine); the 120 s limit only keeps a broken supervisor from hanging.
+    trainer = _python(
+        f"import pathlib, time\nr, t = pathlib.Path({str(restarted)!r}), time.monotonic()\n"
+        "while not r.exists() and time.monotonic() - t < 120: time.sleep(0.05)\n"
+        "print('trained')"
+    )
     buffer = Supervised("buffer", SLEEP, tmp_path / "buffer.log")
     generator = Supervised("generator_0", flaky, tmp_path / "generator_0.log", restartable=True)
     procs = [

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from asyncrl.launcher.study import evals_of
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -24,7 +26,7 @@ def tiny(model_dir: str) -> list[str]:
         "task.rl_split=train",
         "buffer.prompts_per_batch=2",
         "buffer.samples_per_prompt=2",
-        "engine.max_slots=8",
+        "engine.embedded.max_slots=8",
         "metrics.tensorboard=false",
     ]
 
@@ -89,8 +91,10 @@ def test_throughput_study(tmp_path, tiny_model_dir):
         ]
     )
     for mode in ("async", "sync", "colocated"):
-        # target 0: the first evaluation reaches it, at the start of the trainer's clock
-        assert result[f"{mode}_s_to_target"] is not None and result[f"{mode}_s_to_target"] < 60
+        # target 0: the first evaluation reaches it, so the figure is that evaluation's time
+        # on the trainer's clock (how long after the start depends on the machine's load)
+        first_eval_s = min(t for t, _ in evals_of(out / f"{mode}-s0"))
+        assert result[f"{mode}_s_to_target"] == first_eval_s >= 0
         assert result[f"{mode}_trained_tokens_per_s"] > 0
     assert (out / "results.csv").exists()
 

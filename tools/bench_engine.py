@@ -37,8 +37,14 @@ from pathlib import Path
 import torch
 
 from asyncrl.engine.base import Request, SamplingParams
-from asyncrl.engine.embedded import EmbeddedEngine, EngineConfig
-from asyncrl.models import ModelConfig, TinyModelConfig, build_tiny_model, load_model
+from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from asyncrl.models import (
+    ModelConfig,
+    TinyModelConfig,
+    build_tiny_model,
+    load_model,
+    model_config,
+)
 
 
 def log_uniform(rng: random.Random, lo: int, hi: int) -> int:
@@ -57,15 +63,14 @@ def make_requests(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
 
 
 def engine_throughput(model_dir: str, requests, concurrency: int, share: bool = True) -> float:
-    engine = EmbeddedEngine(
-        model_dir, EngineConfig(max_slots=concurrency, max_seq_len=512, share_prefill=share)
-    )
+    cfg = EmbeddedEngineConfig(max_slots=concurrency, max_seq_len=512, share_prefill=share)
+    engine = EmbeddedEngine(model_dir, cfg)
     engine.eos_ids = set()  # lengths come from max_new_tokens, as in the HF run
     start = time.perf_counter()
     for i, (prompt, n) in enumerate(requests):
         engine.submit(Request(str(i), prompt, SamplingParams(max_new_tokens=n, temperature=0.0)))
     tokens = 0
-    while engine.running or engine.waiting:
+    while not engine.idle:
         tokens += len(engine.step().tokens)
     seconds = time.perf_counter() - start
     engine.close()
@@ -97,30 +102,28 @@ def hf_throughput(model_dir: str, requests, concurrency: int) -> float:
 def step_latencies(
     model_dir: str, concurrency: int, steps: int, flip_every: int, policy: str
 ) -> list[float]:
-    engine = EmbeddedEngine(
-        model_dir, EngineConfig(max_slots=concurrency, max_seq_len=512, flip_policy=policy)
-    )
+    cfg = EmbeddedEngineConfig(max_slots=concurrency, max_seq_len=512, flip_policy=policy)
+    engine = EmbeddedEngine(model_dir, cfg)
     engine.eos_ids = set()
     rng = random.Random(1)
-    vocab = engine._active.model.config.vocab_size
+    base = load_model(ModelConfig(path=model_dir)).state_dict()  # the engine's weights
+    vocab = model_config(model_dir).vocab_size
     for i in range(concurrency):
         prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(16, 64))]
         engine.submit(
             Request(str(i), prompt, SamplingParams(max_new_tokens=steps + 8, temperature=0.0))
         )
     engine.step()  # prefill all; from here on every step is a decode step
-    base = {k: v.clone() for k, v in engine._active.model.state_dict().items()}
     times = []
     for s in range(steps):
         if flip_every and s % flip_every == flip_every - 1:
             # Fresh tensors each time, as a receiver thread would hand them over.
-            engine.stage_weights(
-                {k: v.clone() for k, v in base.items()}, version=engine.version + 1
-            )
+            version = engine.status().version + 1
+            engine.stage_weights({k: v.clone() for k, v in base.items()}, version)
         start = time.perf_counter()
         engine.step()
         times.append((time.perf_counter() - start) * 1000)
-    flips = engine.counters.flips
+    flips = engine.status().metrics["engine/flips"]
     engine.close()
     if flip_every:
         assert flips >= steps // flip_every - 2, flips
@@ -131,7 +134,7 @@ def p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100)[98]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -144,7 +147,59 @@ def main() -> None:
     parser.add_argument("--latency-steps", type=int, default=300)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--group", type=int, default=4, help="requests per prompt (shared prefill)")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def one_run(model_dir: str, args: argparse.Namespace, run: int) -> dict[str, float]:
+    """Every figure of run ``run``: throughputs, speedups and p99 step times (ms)."""
+    requests = make_requests(args.requests, model_config(model_dir).vocab_size, seed=run)
+    engine_rate = engine_throughput(model_dir, requests, args.concurrency)
+    hf_rate = hf_throughput(model_dir, requests, args.concurrency)
+    grouped = [r for r in requests[: args.requests // args.group] for _ in range(args.group)]
+    order = (True, False) if run % 2 == 0 else (False, True)  # alternate who goes first
+    rates = {
+        share: engine_throughput(model_dir, grouped, args.concurrency, share) for share in order
+    }
+
+    def latency(flip_every: int, policy: str) -> float:
+        return p99(
+            step_latencies(model_dir, args.concurrency, args.latency_steps, flip_every, policy)
+        )
+
+    return {
+        "engine": engine_rate,
+        "hf": hf_rate,
+        "speedup": engine_rate / hf_rate,
+        "shared": rates[True],
+        "each": rates[False],
+        "share_speedup": rates[True] / rates[False],
+        "steady": latency(0, "keep"),
+        "keep": latency(10, "keep"),
+        "recompute": latency(10, "recompute"),
+    }
+
+
+def summary(med: dict[str, float], args: argparse.Namespace) -> dict[str, float]:
+    """The final JSON line: the median of each figure over the runs."""
+    return {
+        "engine_tokens_per_s": round(med["engine"], 1),
+        "hf_tokens_per_s": round(med["hf"], 1),
+        "speedup": round(med["speedup"], 3),
+        "grouped_shared_tokens_per_s": round(med["shared"], 1),
+        "grouped_each_tokens_per_s": round(med["each"], 1),
+        "share_prefill_speedup": round(med["share_speedup"], 3),
+        "group": args.group,
+        "step_ms_p99_flipping": round(med["keep"], 3),
+        "step_ms_p99_steady": round(med["steady"], 3),
+        "step_ms_p99_flipping_recompute": round(med["recompute"], 3),
+        "runs": args.runs,
+        "concurrency": args.concurrency,
+        "threads": args.threads,
+    }
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(args.threads)
     model_dir = args.model
     if not model_dir:
@@ -152,67 +207,16 @@ def main() -> None:
         model_dir = str(
             build_tiny_model(Path(tempfile.mkdtemp()) / "tiny", alphabet, TinyModelConfig())
         )
-    vocab = load_model(ModelConfig(path=model_dir)).config.vocab_size
-    names = [
-        "engine",
-        "hf",
-        "speedup",
-        "shared",
-        "each",
-        "share_speedup",
-        "steady",
-        "keep",
-        "recompute",
-    ]
-    figures: dict[str, list[float]] = {k: [] for k in names}
+    figures: dict[str, list[float]] = {}
     for run in range(args.runs):
-        requests = make_requests(args.requests, vocab, seed=run)
-        engine_rate = engine_throughput(model_dir, requests, args.concurrency)
-        hf_rate = hf_throughput(model_dir, requests, args.concurrency)
-        figures["engine"].append(engine_rate)
-        figures["hf"].append(hf_rate)
-        figures["speedup"].append(engine_rate / hf_rate)
-        grouped = [r for r in requests[: args.requests // args.group] for _ in range(args.group)]
-        order = (True, False) if run % 2 == 0 else (False, True)  # alternate who goes first
-        rates = {
-            share: engine_throughput(model_dir, grouped, args.concurrency, share) for share in order
-        }
-        figures["shared"].append(rates[True])
-        figures["each"].append(rates[False])
-        figures["share_speedup"].append(rates[True] / rates[False])
-        figures["steady"].append(
-            p99(step_latencies(model_dir, args.concurrency, args.latency_steps, 0, "keep"))
-        )
-        figures["keep"].append(
-            p99(step_latencies(model_dir, args.concurrency, args.latency_steps, 10, "keep"))
-        )
-        figures["recompute"].append(
-            p99(step_latencies(model_dir, args.concurrency, args.latency_steps, 10, "recompute"))
-        )
+        for name, value in one_run(model_dir, args, run).items():
+            figures.setdefault(name, []).append(value)
         print(
             f"run {run}: " + ", ".join(f"{k}={v[-1]:.2f}" for k, v in figures.items()),
             file=sys.stderr,
         )
     med = {k: statistics.median(v) for k, v in figures.items()}
-    print(
-        json.dumps(
-            {
-                "engine_tokens_per_s": round(med["engine"], 1),
-                "hf_tokens_per_s": round(med["hf"], 1),
-                "speedup": round(med["speedup"], 3),
-                "grouped_shared_tokens_per_s": round(med["shared"], 1),
-                "grouped_each_tokens_per_s": round(med["each"], 1),
-                "share_prefill_speedup": round(med["share_speedup"], 3),
-                "group": args.group,
-                "step_ms_p99_flipping": round(med["keep"], 3),
-                "step_ms_p99_steady": round(med["steady"], 3),
-                "step_ms_p99_flipping_recompute": round(med["recompute"], 3),
-                "runs": args.runs,
-                "concurrency": args.concurrency,
-                "threads": args.threads,
-            }
-        )
-    )
+    print(json.dumps(summary(med, args)))
 
 
 if __name__ == "__main__":

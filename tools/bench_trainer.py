@@ -32,7 +32,7 @@ from asyncrl.algorithms.losses import sft_loss
 from asyncrl.models import ModelConfig, TinyModelConfig, build_tiny_model
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import TrainerCore
-from asyncrl.trainer.dist import init_distributed, shutdown_distributed
+from asyncrl.trainer.dist import DistInfo, init_distributed, shutdown_distributed
 from asyncrl.trainer.packing import TokenSequence, make_micro_batches
 
 
@@ -62,7 +62,7 @@ def grouped_batch(
     return seqs
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -81,10 +81,11 @@ def main() -> None:
         "--group-size", type=int, default=1, help=">1: GRPO groups, shared prompt vs flat"
     )
     parser.add_argument("--prompt-len", type=int, default=18, help="with --group-size")
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    torch.set_num_threads(args.threads)
-    tmp = Path(tempfile.mkdtemp(prefix="bench_trainer_"))
+
+def build_core(args: argparse.Namespace, tmp: Path) -> tuple[TrainerCore, DistInfo]:
+    """The real trainer core on one rank, on ``--model`` or a freshly built tiny model."""
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     info = init_distributed("auto", str(tmp / "rendezvous"))
@@ -95,12 +96,29 @@ def main() -> None:
         model_dir = str(build_tiny_model(tmp / "tiny", alphabet, spec))
     optim = OptimConfig(lr=1e-4, warmup_steps=0, schedule="constant")
     core = TrainerCore(ModelConfig(path=model_dir), TrainerConfig(), optim, info, pad_id=0)
-    vocab = core.model.config.vocab_size
+    return core, info
+
+
+def make_batches(args: argparse.Namespace, vocab: int) -> list[list[TokenSequence]]:
+    """One batch per optimizer step, the same for every layout."""
     rng = random.Random(0)
+    if args.group_size > 1:
+        return [
+            grouped_batch(
+                rng, args.batch, args.group_size, args.prompt_len, vocab, args.min_len, args.max_len
+            )
+            for _ in range(args.steps)
+        ]
+    return [
+        variable_length_batch(rng, args.batch, vocab, args.min_len, args.max_len)
+        for _ in range(args.steps)
+    ]
 
-    def loss_fn(logits, mb):
-        return sft_loss(logits, mb.input_ids, mb.loss_mask)
 
+def time_layouts(
+    args: argparse.Namespace, core: TrainerCore, batches: list[list[TokenSequence]]
+) -> dict[str, list[float]]:
+    """Tokens/s of each layout in each round (layouts alternate within a round)."""
     grouped = args.group_size > 1
     # name -> (layout, share_prefix)
     layouts = (
@@ -110,12 +128,9 @@ def main() -> None:
     )
     group = args.group_size if grouped else 1
     rates: dict[str, list[float]] = {name: [] for name in layouts}
-    batches = [
-        grouped_batch(rng, args.batch, group, args.prompt_len, vocab, args.min_len, args.max_len)
-        if grouped
-        else variable_length_batch(rng, args.batch, vocab, args.min_len, args.max_len)
-        for _ in range(args.steps)
-    ]
+
+    def loss_fn(logits, mb):
+        return sft_loss(logits, mb.input_ids, mb.loss_mask)
 
     def micro_batches(batch, name):
         layout, share = layouts[name]
@@ -135,6 +150,16 @@ def main() -> None:
                 seconds += time.perf_counter() - start
                 tokens += sum(len(s) for s in batch)
             rates[layout].append(tokens / seconds)
+    return rates
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    tmp = Path(tempfile.mkdtemp(prefix="bench_trainer_"))
+    core, info = build_core(args, tmp)
+    batches = make_batches(args, core.model.config.vocab_size)
+    rates = time_layouts(args, core, batches)
     shutdown_distributed()
     new, old = list(rates)
     per_round = [p / q for p, q in zip(rates[new], rates[old])]

@@ -14,8 +14,9 @@ other; none in the last ``--calm-s`` s, so that the last process killed has rest
 the run has gone on past it before the time limit (a restart imports torch and loads the
 model: several seconds on a loaded 2-core machine). A kill takes the pid from
 ``OUT/pids/NAME.pid`` only after ``/proc`` shows that process alive and running this
-run's module (a stale pid file never kills anything else), and waits for the launcher to start a new one. When the launcher has exited, the
-figures come from the run directory:
+run's module (a stale pid file never kills anything else), and waits for the launcher to
+start a new one. When the launcher has exited, the figures come from the run directory
+(read by ``tools/chaos_books.py``):
 
     launcher_exit, restarts / kills          its exit code; restarts it logged per role
     accounting_holds                         created = consumed + stale + filtered + failed
@@ -42,7 +43,6 @@ import argparse
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -51,6 +51,17 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from chaos_books import (
+    MetricsTail,
+    accuracy,
+    books,
+    launcher_restarts,
+    lineage,
+    read_json,
+    recovery,
+    role_of,
+)
+
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = {
     "buffer": "asyncrl.buffer.server",
@@ -58,8 +69,6 @@ MODULES = {
     "trainer": "asyncrl.stages.",
 }
 """What ``-m`` a process of each role runs (the trainer's module is the stage's)."""
-GRACE_S = 60.0
-"""After the time limit, for the final step and evaluation to land."""
 OTHERS_FROM = 0.25
 """Fraction of the run before the first trainer or buffer kill."""
 
@@ -118,38 +127,6 @@ def schedule(args, rng: random.Random, generators: int, ranks: int) -> list[tupl
     return sorted(out)
 
 
-class MetricsTail:
-    """``metrics.jsonl`` read as it grows; each record stamped with when it was first seen."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.path, self.offset, self.records = run_dir / "metrics.jsonl", 0, []
-
-    def poll(self) -> None:
-        if not self.path.exists():
-            return
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            data = f.read()
-        whole = data[: data.rfind(b"\n") + 1]  # a line still being written waits
-        self.offset += len(whole)
-        for line in whole.splitlines():
-            try:
-                self.records.append({**json.loads(line), "seen": time.time()})
-            except json.JSONDecodeError:
-                continue  # a line torn by a SIGKILL
-
-    def trainer(self, key: str = "") -> list[dict]:
-        """The trainer's records (those holding ``key``, when given)."""
-        return [r for r in self.records if r["process"] == "trainer" and (not key or key in r)]
-
-    def step(self) -> int:
-        return max((r["step"] for r in self.trainer("train/loss")), default=0)
-
-
-def role_of(name: str) -> str:
-    return name.rsplit("_", 1)[0] if name[-1].isdigit() else name
-
-
 def live_pid(run_dir: Path, name: str) -> int | None:
     """The pid in ``pids/NAME.pid`` if that process is alive and is NAME of this run."""
     try:
@@ -198,56 +175,6 @@ def kill(
             break
         time.sleep(0.2)
     return record
-
-
-def launcher_restarts(log: str) -> Counter:
-    """Restarts the launcher logged, by role of the process that died."""
-    died = re.findall(r"\[launch\] (\S+) exited with code -?\d+; restart", log)
-    return Counter(role_of(name) for name in died)
-
-
-def lineage(run_dir: Path, steps: int) -> dict[str, Any]:
-    """The final lineage: the last ledger line of each (rank, step) below ``steps``."""
-    final: dict[tuple[int, int], list] = {}
-    for path in sorted((run_dir / "ledger").glob("rank*.jsonl")):
-        rank = int(path.stem.removeprefix("rank"))
-        for line in path.read_text().splitlines():
-            try:
-                entry = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # torn by a SIGKILL: that step was redone
-            final[(rank, entry["step"])] = entry["samples"]
-    kept = {k: v for k, v in final.items() if k[1] < steps}
-    keys = Counter(tuple(s) for samples in kept.values() for s in samples)
-    present = {step for _, step in kept}
-    return {
-        "lineage_samples": sum(keys.values()),
-        "lineage_distinct": len(keys),
-        "duplicated": sum(1 for c in keys.values() if c > 1),
-        "missing_steps": [s for s in range(steps) if s not in present],
-        "ledger_steps_beyond_final": len(final) - len(kept),
-    }
-
-
-def accuracy(tail: MetricsTail, summary: dict, target: float, limit_s: float) -> dict[str, Any]:
-    """Held-out accuracy; times on the first trainer's clock, as seen here (a restarted
-    trainer keeps that clock and its time limit). The target counts as reached only by
-    ``limit_s + GRACE_S``: the final evaluation comes after the limit."""
-    evals, first = tail.trainer("eval/accuracy"), tail.trainer()
-    anchor = first[0]["seen"] - first[0]["time"] if first else 0.0
-    reached = next((r for r in evals if r["eval/accuracy"] >= target - 1e-9), None)
-    seconds = round(reached["seen"] - anchor, 1) if reached else None
-    final = summary.get("final_eval_accuracy")
-    return {
-        "accuracy_initial": evals[0]["eval/accuracy"] if evals else None,
-        "accuracy_final": final
-        if final is not None
-        else (evals[-1]["eval/accuracy"] if evals else None),
-        "accuracy_peak": max((r["eval/accuracy"] for r in evals), default=None),
-        "trainer_wall_s": round(first[-1]["seen"] - anchor, 1) if first else None,
-        "seconds_to_target": seconds,
-        "target_reached": seconds is not None and seconds <= limit_s + GRACE_S,
-    }
 
 
 def wait_for_first_step(launcher: subprocess.Popen, tail: MetricsTail, timeout_s: float) -> bool:
@@ -311,46 +238,6 @@ def main(argv: list[str] | None = None) -> int:
     tail.poll()
     recovery(kills, tail, t0)
     return check(args, run_dir, launcher.returncode, kills, tail, failed)
-
-
-def recovery(kills: list[dict], tail: MetricsTail, t0: float) -> None:
-    """Per kill, seconds until the trainer first logged a step past the one it was at."""
-    steps = [(r["seen"] - t0, r["step"]) for r in tail.trainer("train/loss")]
-    for k in (k for k in kills if "pid" in k):
-        after = [t for t, step in steps if t > k["time_s"] and step > k["step"]]
-        k["recovered_after_s"] = round(after[0] - k["time_s"], 1) if after else None
-
-
-def read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def books(counters: dict, lineage_figures: dict) -> dict[str, Any]:
-    """The buffer's counters, its accounting identity, and the lineage against them."""
-    c = {
-        k: int(counters.get(f"buffer/{k}", 0))
-        for k in (
-            "samples_created",
-            "samples_consumed",
-            "samples_stale",
-            "samples_filtered",
-            "samples_failed",
-            "in_flight_samples",
-            "batches_served_again",
-            "steps_not_replayable",
-            "leases_reissued",
-        )
-    }
-    ended = sum(c[f"samples_{k}"] for k in ("consumed", "stale", "filtered", "failed"))
-    consumed, trained = c["samples_consumed"], lineage_figures["lineage_distinct"]
-    return {
-        **c,
-        "accounting_holds": bool(counters)
-        and c["samples_created"] == ended + c["in_flight_samples"],
-        **lineage_figures,
-        "lost": max(0, consumed - trained),
-        "trained_not_consumed": max(0, trained - consumed),
-    }
 
 
 def check(

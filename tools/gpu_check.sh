@@ -54,8 +54,8 @@ timeout 100 $PY tools/bench_trainer.py --model "$MODEL" --rounds 2 --steps 2 --b
 
 say "loop benchmark: tiny_grpo on the 0.5B model, 90 s"
 timeout 170 $PY launch/local.py experiments/tiny_grpo.py model.path="$MODEL" run_dir="$OUT/loop" \
-    time_limit_s=90 eval.every_steps=0 trainer.device=cuda engine.device=cuda engine.max_slots=256 \
-    task.rl_split=train metrics.tensorboard=false > "$OUT/loop.txt" 2>&1
+    time_limit_s=90 eval.every_steps=0 trainer.device=cuda engine.embedded.device=cuda \
+    engine.embedded.max_slots=256 task.rl_split=train metrics.tensorboard=false > "$OUT/loop.txt" 2>&1
 $PY tools/run_report.py "$OUT/loop" > "$OUT/loop.json" 2>> "$OUT/loop.txt"
 
 $PY - "$OUT" <<'PY'

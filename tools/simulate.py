@@ -149,6 +149,35 @@ def print_rows(rows: list[dict], primary: str, cores: int) -> None:
     print("(* with the predicted run's own workload: its lengths and filter schedule)")
 
 
+def error_matrix(
+    runs: list[str], predictions: dict[tuple[str, str, str], dict], meas: dict[str, dict]
+) -> dict[str, dict[str, dict[str, float | None]]]:
+    """Relative error of trained tokens/s by workload mode, calibration run, predicted run."""
+    return {
+        mode: {
+            cal: {
+                run: _err(
+                    predictions[(cal, run, mode)]["trained_tokens_per_s"],
+                    meas[run]["trained_tokens_per_s"],
+                )
+                for run in runs
+            }
+            for cal in runs
+        }
+        for mode in MODES
+    }
+
+
+def print_matrix(matrix: dict[str, dict[str, dict[str, float | None]]], runs: list[str]) -> None:
+    for mode, table in matrix.items():
+        print(
+            f"\nerror by calibration run (rows) and predicted run (columns), {mode.replace('_', ' ')}:"
+        )
+        print(" " * 14 + "".join(f"{Path(r).name:>14}" for r in runs))
+        for cal in runs:
+            print(f"{Path(cal).name:<14}" + "".join(_fmt(table[cal][r], "+14.1%") for r in runs))
+
+
 def check(runs: list[str], cores: int, seed: int, fit_threads: bool = False) -> dict[str, Any]:
     base = thread_base(runs, cores, fit_threads)
     params = {r: calibrate(r, cores=cores, base=base) for r in runs}
@@ -168,26 +197,8 @@ def check(runs: list[str], cores: int, seed: int, fit_threads: bool = False) -> 
         for r in runs
     ]
     print_rows(rows, primary, cores)
-    matrix = {
-        mode: {
-            cal: {
-                run: _err(
-                    predictions[(cal, run, mode)]["trained_tokens_per_s"],
-                    meas[run]["trained_tokens_per_s"],
-                )
-                for run in runs
-            }
-            for cal in runs
-        }
-        for mode in MODES
-    }
-    for mode, table in matrix.items():
-        print(
-            f"\nerror by calibration run (rows) and predicted run (columns), {mode.replace('_', ' ')}:"
-        )
-        print(" " * 14 + "".join(f"{Path(r).name:>14}" for r in runs))
-        for cal in runs:
-            print(f"{Path(cal).name:<14}" + "".join(_fmt(table[cal][r], "+14.1%") for r in runs))
+    matrix = error_matrix(runs, predictions, meas)
+    print_matrix(matrix, runs)
     out_of_sample = [
         e
         for table in matrix.values()
@@ -244,12 +255,17 @@ def predict(
     }
 
 
-def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
+def gpu_from_args(overrides: list[str]) -> GpuSpec:
+    """The assumed GPU with ``FIELD=VALUE`` overrides."""
     gpu = GpuSpec()
-    for item in args.gpu:
+    for item in overrides:
         key, value = item.split("=", 1)
         setattr(gpu, key, type(getattr(gpu, key))(float(value)) if key != "name" else value)
-    w = Workload(
+    return gpu
+
+
+def workload_from_args(args: argparse.Namespace) -> Workload:
+    return Workload(
         model_params=args.model_params,
         prompt_tokens=args.prompt_tokens,
         response_mean=args.response_mean,
@@ -259,14 +275,17 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
         filter_probability=args.filter_probability,
         weight_sync=args.weight_sync,
     )
-    etas = [None if e.strip().lower() == "none" else int(e) for e in args.etas.split(",")]
-    rows = sweep(w, gpu, args.gpus, etas, steps=args.steps)
-    out = Path(args.out)
+
+
+def write_csv(rows: list[dict[str, Any]], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
+
+
+def print_sweep(rows: list[dict[str, Any]]) -> None:
     print(
         f"{'placement':<10} {'eta':>4} {'trainer':>8} {'gens':>6} {'tok/s':>12} {'tok/s/gpu':>10} "
         f"{'step s':>8} {'gen idle':>9} {'slot fill':>9} {'trn idle':>9} {'stale':>6}"
@@ -278,6 +297,16 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
             f"{_fmt(r['step_s'], '8.1f')} {r['generator_idle_fraction']:>9.3f} {r['generator_slot_fill']:>9.3f} "
             f"{r['trainer_idle_fraction']:>9.3f} {r['mean_staleness']:>6.2f}"
         )
+
+
+def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
+    gpu = gpu_from_args(args.gpu)
+    w = workload_from_args(args)
+    etas = [None if e.strip().lower() == "none" else int(e) for e in args.etas.split(",")]
+    rows = sweep(w, gpu, args.gpus, etas, steps=args.steps)
+    out = Path(args.out)
+    write_csv(rows, out)
+    print_sweep(rows)
     async_rows = [r for r in rows if r["placement"] == "async"]
     best = max(async_rows, key=lambda r: r["trained_tokens_per_s"])
     per_eta = {

@@ -21,6 +21,7 @@ import json
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -36,7 +37,7 @@ def median_or_none(values: list[float | None]) -> float | None:
     return None if not values or any(v is None for v in values) else statistics.median(values)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -54,10 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_set_argument(parser)
     parser.add_argument("--out", default="runs/studies/throughput")
-    args = parser.parse_args(argv)
-    seeds = [int(s) for s in args.seeds.split(",")]
-    out = Path(args.out)
-    modes = {m: MODES[m] for m in args.modes.split(",") if m}
+    return parser.parse_args(argv)
+
+
+def run_modes(
+    args: argparse.Namespace, modes: dict[str, list[str]], seeds: list[int], out: Path
+) -> dict[str, Any]:
+    """Every mode at every seed; per mode the medians over seeds, and async's speedups."""
     points = [
         Point(
             f"{mode}-s{seed}",
@@ -72,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     write_csv(results, out / "results.csv")
     key = f"{args.target:g}"
-    summary: dict = {"study": "throughput", "target": args.target, "seeds": seeds}
+    summary: dict[str, Any] = {}
     for mode in modes:
         runs = [r for r in results if r["mode"] == mode]
         summary[f"{mode}_s_to_target"] = median_or_none([r["s_to_target"][key] for r in runs])
@@ -87,40 +91,55 @@ def main(argv: list[str] | None = None) -> int:
             continue
         a, b = summary["async_s_to_target"], summary[f"{other}_s_to_target"]
         summary[f"async_speedup_vs_{other}"] = round(b / a, 3) if a and b else None
-    if args.sweep_time_limit > 0:
-        sweep = [
-            Point(
-                f"ratio-g{g}x{t}-t{tt}",
-                [
-                    f"num_generators={g}",
-                    f"engine.threads={t}",
-                    f"trainer.threads_per_rank={tt}",
-                    f"time_limit_s={args.sweep_time_limit}",
-                    "eval.every_steps=0",
-                    f"seed={seeds[0]}",
-                    *args.set,
-                ],
-                {"num_generators": g, "generator_threads": t, "trainer_threads": tt},
+    return summary
+
+
+def run_ratio_sweep(args: argparse.Namespace, seed: int, out: Path) -> list[dict[str, Any]]:
+    """Short runs over ``RATIOS``: throughput and idle fractions of each resource split."""
+    sweep = [
+        Point(
+            f"ratio-g{g}x{t}-t{tt}",
+            [
+                f"num_generators={g}",
+                f"engine.embedded.threads={t}",
+                f"trainer.threads_per_rank={tt}",
+                f"time_limit_s={args.sweep_time_limit}",
+                "eval.every_steps=0",
+                f"seed={seed}",
+                *args.set,
+            ],
+            {"num_generators": g, "generator_threads": t, "trainer_threads": tt},
+        )
+        for g, t, tt in RATIOS
+    ]
+    swept = run_points(args.experiment, sweep, out, [], timeout_s=args.sweep_time_limit + 600)
+    write_csv(swept, out / "ratio_sweep.csv")
+    return [
+        {
+            k: r[k]
+            for k in (
+                "num_generators",
+                "generator_threads",
+                "trainer_threads",
+                "trained_tokens_per_s",
+                "generated_tokens_per_s",
+                "generator_idle_fraction",
+                "trainer_idle_fraction",
             )
-            for g, t, tt in RATIOS
-        ]
-        swept = run_points(args.experiment, sweep, out, [], timeout_s=args.sweep_time_limit + 600)
-        write_csv(swept, out / "ratio_sweep.csv")
-        summary["ratio_sweep"] = [
-            {
-                k: r[k]
-                for k in (
-                    "num_generators",
-                    "generator_threads",
-                    "trainer_threads",
-                    "trained_tokens_per_s",
-                    "generated_tokens_per_s",
-                    "generator_idle_fraction",
-                    "trainer_idle_fraction",
-                )
-            }
-            for r in swept
-        ]
+        }
+        for r in swept
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    out = Path(args.out)
+    modes = {m: MODES[m] for m in args.modes.split(",") if m}
+    summary: dict = {"study": "throughput", "target": args.target, "seeds": seeds}
+    summary |= run_modes(args, modes, seeds, out)
+    if args.sweep_time_limit > 0:
+        summary["ratio_sweep"] = run_ratio_sweep(args, seeds[0], out)
     print(json.dumps(summary))
     return 0
 

@@ -24,6 +24,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -44,7 +45,7 @@ def first_reaching(points: list[tuple[float, int, float]], target: float) -> dic
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -53,34 +54,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--targets", type=float, nargs="*", default=[0.5, 0.55, 0.6])
     parser.add_argument("--out", default="runs/trl_grpo", help="TRL's output directory")
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0: every core")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
 
-    cfg = resolve(args.experiment, [f"run_dir={args.out}"])
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    task = build_task(cfg.task)
-    examples = task.examples(cfg.task.rl_split)
-    held_out = list(task.examples("eval"))[: cfg.eval.num_examples]
-    tokenizer = load_tokenizer(cfg.model.path)
-    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
-    dataset = Dataset.from_dict(
-        {"prompt": [e.prompt for e in examples], "index": list(range(len(examples)))}
-    )
-
-    def verifier(prompts, completions, index, **_) -> list[float]:
-        # the buffer's reward: full marks only (task.full_marks_only), on the decoded text
-        return [
-            1.0 if task.score(examples[i], c) >= 1.0 - 1e-6 else 0.0
-            for c, i in zip(completions, index)
-        ]
+def grpo_config(cfg: Any, out: str) -> Any:
+    """TRL's ``GRPOConfig`` matched to the experiment ``cfg`` (see the module docstring)."""
+    from trl import GRPOConfig
 
     n = cfg.buffer.samples_per_prompt
     per_step = cfg.buffer.prompts_per_batch * n
-    trl_cfg = GRPOConfig(
-        output_dir=args.out,
+    return GRPOConfig(
+        output_dir=out,
         use_cpu=True,
         bf16=False,
         report_to="none",
@@ -113,48 +97,110 @@ def main(argv: list[str] | None = None) -> int:
         remove_unused_columns=False,
     )
 
-    engine = make_eval_engine(
-        cfg.model,
-        cfg.eval,
-        max(len(p) for p in tokenize_prompts(tokenizer, held_out)),
-        torch.device("cpu"),
-    )
-    points: list[tuple[float, int, float]] = []
-    start = time.time()
 
-    def evaluate(step: int) -> None:
-        engine.load_weights({k: v.detach() for k, v in model.state_dict().items()}, step)
-        accuracy = greedy_accuracy(engine, tokenizer, task, held_out, cfg.eval.max_new_tokens)[
-            "eval/accuracy"
-        ]
-        points.append((time.time() - start, step, accuracy))
-        print(f"[trl] step {step} t={time.time() - start:.0f}s accuracy {accuracy:.3f}", flush=True)
+class Evaluator:
+    """Greedy accuracy of the live TRL model on the held-out problems, with asyncrl's
+    evaluation engine; ``points`` are (seconds since ``start``, step, accuracy)."""
+
+    def __init__(self, cfg: Any, model: Any, tokenizer: Any, task: Any, held_out: list) -> None:
+        self.cfg, self.model, self.tokenizer, self.task = cfg, model, tokenizer, task
+        self.held_out = held_out
+        prompt_len = max(len(p) for p in tokenize_prompts(tokenizer, held_out))
+        self.engine = make_eval_engine(cfg.model, cfg.eval, prompt_len, torch.device("cpu"))
+        self.points: list[tuple[float, int, float]] = []
+        self.start = time.time()
+
+    def __call__(self, step: int) -> None:
+        weights = {k: v.detach() for k, v in self.model.state_dict().items()}
+        self.engine.load_weights(weights, step)
+        accuracy = greedy_accuracy(
+            self.engine, self.tokenizer, self.task, self.held_out, self.cfg.eval.max_new_tokens
+        )["eval/accuracy"]
+        self.points.append((time.time() - self.start, step, accuracy))
+        print(
+            f"[trl] step {step} t={time.time() - self.start:.0f}s accuracy {accuracy:.3f}",
+            flush=True,
+        )
+
+    def restart_clock(self) -> None:
+        """The clock starts after the first evaluation, as asyncrl's RL stage's does."""
+        self.start, self.points[0] = time.time(), (0.0, 0, self.points[0][2])
+
+
+def evaluate_callback(evaluate: Evaluator, every_steps: int, time_limit: float) -> Any:
+    """A ``TrainerCallback`` that evaluates every ``every_steps`` steps and stops training
+    once ``time_limit`` seconds have passed on the evaluator's clock."""
+    from transformers import TrainerCallback
 
     class Evaluate(TrainerCallback):
         def on_step_end(self, _args, state, control, **_):
-            if state.global_step % cfg.eval.every_steps == 0:
+            if state.global_step % every_steps == 0:
                 evaluate(state.global_step)
-            if time.time() - start > args.time_limit:
+            if time.time() - evaluate.start > time_limit:
                 control.should_training_stop = True
             return control
 
+    return Evaluate()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOTrainer
+
+    cfg = resolve(args.experiment, [f"run_dir={args.out}"])
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    task = build_task(cfg.task)
+    examples = task.examples(cfg.task.rl_split)
+    held_out = list(task.examples("eval"))[: cfg.eval.num_examples]
+    tokenizer = load_tokenizer(cfg.model.path)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
+    dataset = Dataset.from_dict(
+        {"prompt": [e.prompt for e in examples], "index": list(range(len(examples)))}
+    )
+
+    def verifier(prompts, completions, index, **_) -> list[float]:
+        # the buffer's reward: full marks only (task.full_marks_only), on the decoded text
+        return [
+            1.0 if task.score(examples[i], c) >= 1.0 - 1e-6 else 0.0
+            for c, i in zip(completions, index)
+        ]
+
+    trl_cfg = grpo_config(cfg, args.out)
+    evaluate = Evaluator(cfg, model, tokenizer, task, held_out)
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=verifier,
         args=trl_cfg,
         train_dataset=dataset,
         processing_class=tokenizer,
-        callbacks=[Evaluate()],
+        callbacks=[evaluate_callback(evaluate, cfg.eval.every_steps, args.time_limit)],
     )
     evaluate(0)
-    # The clock starts after the first evaluation, as asyncrl's RL stage's does.
-    start, points[0] = time.time(), (0.0, 0, points[0][2])
+    evaluate.restart_clock()
     trainer.train()
     steps = trainer.state.global_step
-    if not points or points[-1][1] != steps:
+    if not evaluate.points or evaluate.points[-1][1] != steps:
         evaluate(steps)
-    wall = time.time() - start
-    result = {
+    per_step = cfg.buffer.prompts_per_batch * cfg.buffer.samples_per_prompt
+    result = summarize(args, steps, per_step, evaluate.points, time.time() - evaluate.start)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "evals.json").write_text(json.dumps(evaluate.points))
+    print(json.dumps(result))
+    return 0
+
+
+def summarize(
+    args: argparse.Namespace,
+    steps: int,
+    per_step: int,
+    points: list[tuple[float, int, float]],
+    wall: float,
+) -> dict[str, Any]:
+    """The JSON line: throughput over the wall time and accuracy against time."""
+    return {
         "trainer": "trl.GRPOTrainer",
         "experiment": args.experiment,
         "steps": steps,
@@ -165,10 +211,6 @@ def main(argv: list[str] | None = None) -> int:
         "s_to_target": {str(t): first_reaching(points, t) for t in args.targets},
         "final_accuracy": points[-1][2],
     }
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "evals.json").write_text(json.dumps(points))
-    print(json.dumps(result))
-    return 0
 
 
 if __name__ == "__main__":

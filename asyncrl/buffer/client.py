@@ -1,5 +1,6 @@
 """The trainer side of the buffer: request a rank's share of a step's batch, announce
-published versions. One client per trainer rank (a DEALER socket)."""
+published versions and kept checkpoints. One client per trainer rank (a DEALER socket);
+it is the ``asyncrl.interfaces.BatchSource`` of the asynchronous placement."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from asyncrl.wire import (
 
 
 class BufferClient:
+    """A ``BatchSource`` over ZeroMQ: the buffer process on the other end."""
+
     def __init__(self, run_dir: str, run_id: str, rank: int, transport: TransportConfig) -> None:
         self.run_id, self.rank = run_id, rank
         endpoints = read_endpoints(run_dir, "buffer")
@@ -78,4 +81,5 @@ class BufferClient:
         self.sock.send(encode(CheckpointAnnounce(run_id=self.run_id, step=oldest_kept_step)))
 
     def close(self) -> None:
+        """Close the socket, dropping anything unsent."""
         self.ctx.destroy(linger=0)

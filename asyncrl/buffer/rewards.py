@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass
 from multiprocessing.queues import SimpleQueue
 from typing import Any, Literal
 
-from asyncrl.tasks.base import Split, Task, TaskConfig, build_task
+from asyncrl.tasks import build_task
+from asyncrl.tasks.base import Split, Task, TaskConfig
 
 log = logging.getLogger(__name__)
 

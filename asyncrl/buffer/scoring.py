@@ -11,12 +11,19 @@ reward model batched in a thread (``RewardModelScorer``), or both, weighted
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from asyncrl.buffer.core import RolloutBuffer
 from asyncrl.buffer.reward_model import RewardModelScorer, completion_text
 from asyncrl.buffer.rewards import RewardPool
 from asyncrl.models import load_tokenizer
 from asyncrl.rollout import RolloutConfig
 from asyncrl.tasks import build_task
+
+Scorer = Callable[[int, list[int], str | None], float]
+"""``score(prompt_id, completion token ids, finish reason) -> reward``."""
+OnReward = Callable[[tuple[int, int], float], None]
+"""Where a reward goes: ``on_reward((group id, sample index), reward)``."""
 
 
 class Scoring:
@@ -65,11 +72,12 @@ class Scoring:
             ]
         return self.prompt_ids[prompt_id]
 
-    def pump(self, buffer: RolloutBuffer, on_reward=None) -> None:
-        """Submit the buffer's unscored samples; hand arrived rewards to ``on_reward``
-        (default ``buffer.on_reward``; the buffer process passes its journal's)."""
-        on_reward = on_reward or buffer.on_reward
-        for key, prompt_id, completion in buffer.unscored:
+    def pump(self, buffer: RolloutBuffer, on_reward: OnReward | None = None) -> None:
+        """Submit the samples the buffer finished since the last call; hand arrived rewards
+        to ``on_reward`` (default ``buffer.assembler.on_reward``; the buffer process passes
+        its journal's, which logs them)."""
+        on_reward = on_reward or buffer.assembler.on_reward
+        for key, prompt_id, completion, _ in buffer.assembler.take_unscored():
             item = self._next_id
             self._next_id += 1
             self._waiting[item] = (key, {})
@@ -78,7 +86,6 @@ class Scoring:
             if self.reward_model is not None:
                 # The completion exactly as generated: with its EOS when it ended with one.
                 self.reward_model.submit(item, self.prompt(prompt_id) + list(completion))
-        buffer.unscored.clear()
         for item, reward in self.pool.poll():
             self._arrive(on_reward, item, "verifier", reward)
         if self.reward_model is not None:
@@ -89,12 +96,19 @@ class Scoring:
         """Samples submitted whose reward has not yet gone to the buffer."""
         return len(self._waiting)
 
+    def counters(self) -> dict[str, int]:
+        """The pool's counters as ``reward_*``, the reward model's as ``reward_model_*``."""
+        out = {f"reward_{k}": v for k, v in self.pool.counters().items()}
+        if self.reward_model is not None:
+            out.update({f"reward_model_{k}": v for k, v in self.reward_model.counters().items()})
+        return out
+
     def close(self) -> None:
         self.pool.close()
         if self.reward_model is not None:
             self.reward_model.close()
 
-    def _arrive(self, on_reward, item: int, part: str, reward: float) -> None:
+    def _arrive(self, on_reward: OnReward, item: int, part: str, reward: float) -> None:
         key, parts = self._waiting[item]
         parts[part] = reward
         if not self._parts <= parts.keys():
@@ -110,24 +124,51 @@ class Scoring:
         on_reward(key, combined)
 
 
-def buffer_counters(buffer: RolloutBuffer, scoring: Scoring | None) -> dict[str, float]:
+def buffer_counters(buffer: RolloutBuffer, scoring: Scoring | InlineScoring) -> dict[str, float]:
     """The state machine's counters and gauges as ``buffer/*`` metrics (the buffer process
     logs them; so does the colocated placement, which drives the same state machine)."""
-    out = {f"buffer/{k}": float(v) for k, v in buffer.counts.items()}
+    st, versions = buffer.state, buffer.leases.worker_versions
+    out = {f"buffer/{k}": float(v) for k, v in st.counts.items()}
     out["buffer/in_flight_samples"] = float(buffer.in_flight())
     out["buffer/in_flight_tokens"] = float(buffer.in_flight_tokens())
-    out.update({f"buffer/staleness_{k}": float(v) for k, v in sorted(buffer.staleness.items())})
-    out["buffer/ready_groups"] = float(len(buffer.ready))
-    out["buffer/version"] = float(buffer.version)
-    out["buffer/newest_consumed_version"] = float(buffer.newest_consumed_version)
-    if buffer.worker_versions:
-        out["buffer/generator_version_max"] = float(max(buffer.worker_versions.values()))
-        out["buffer/generator_version_min"] = float(min(buffer.worker_versions.values()))
-    scored = buffer.counts["samples_scored"]
-    out["buffer/reward_mean"] = buffer.reward_sum / scored if scored else 0.0
-    if scoring is not None:
-        out.update({f"buffer/reward_{k}": float(v) for k, v in scoring.pool.counters().items()})
-        if scoring.reward_model is not None:
-            counts = scoring.reward_model.counters()
-            out.update({f"buffer/reward_model_{k}": float(v) for k, v in counts.items()})
+    out.update({f"buffer/staleness_{k}": float(v) for k, v in sorted(st.staleness.items())})
+    out["buffer/ready_groups"] = float(len(st.ready))
+    out["buffer/version"] = float(st.version)
+    out["buffer/newest_consumed_version"] = float(st.newest_consumed_version)
+    if versions:
+        out["buffer/generator_version_max"] = float(max(versions.values()))
+        out["buffer/generator_version_min"] = float(min(versions.values()))
+    scored = st.counts["samples_scored"]
+    out["buffer/reward_mean"] = st.reward_sum / scored if scored else 0.0
+    out.update({f"buffer/{k}": float(v) for k, v in scoring.counters().items()})
     return out
+
+
+class InlineScoring:
+    """Scores in the caller's thread with a plain function, with ``Scoring``'s methods: for
+    tests, tools and benchmarks that need no worker pool. A function that raises gives 0,
+    counted as ``reward_errors``."""
+
+    def __init__(self, score: Scorer) -> None:
+        self.score = score
+        self.errors = 0
+
+    def pump(self, buffer: RolloutBuffer, on_reward: OnReward | None = None) -> None:
+        """Score every sample the buffer finished since the last call, now."""
+        on_reward = on_reward or buffer.assembler.on_reward
+        for key, prompt_id, completion, finish_reason in buffer.assembler.take_unscored():
+            try:
+                reward = float(self.score(prompt_id, completion, finish_reason))
+            except Exception:  # a reward function that raises gives 0 and is counted
+                reward = 0.0
+                self.errors += 1
+            on_reward(key, reward)
+
+    def pending(self) -> int:
+        return 0  # nothing is ever on its way
+
+    def counters(self) -> dict[str, int]:
+        return {"reward_errors": self.errors}
+
+    def close(self) -> None:
+        pass

@@ -9,11 +9,10 @@ Sockets it binds (endpoints published in ``RUN_DIR/endpoints/buffer.json``):
                      and CheckpointAnnounce
 
 Every frame is decoded by a ``WireDecoder``; a bad frame, or a good message on the wrong
-socket, is counted by kind and dropped. Rewards (``Scoring``) come from the task's
-verifier, run in a ``RewardPool`` of worker processes (a timeout or an exception gives 0
-and is counted), from a reward model batched in a thread (``RewardModelScorer``), or from
-both, weighted (``RewardConfig.source``). On exit
-(SIGTERM or ``stop``) the counters go to ``RUN_DIR/buffer_counters.json``.
+socket, is counted by kind and dropped. Each loop turn also pumps ``Scoring``
+(``asyncrl.buffer.scoring``: finished samples out, rewards back in). On exit (SIGTERM or
+``stop``) the counters go to ``RUN_DIR/buffer_counters.json``. This module does sockets
+and persistence only; the buffer's logic is in ``asyncrl.buffer.core`` and its parts.
 
 Nothing accepted is lost when the process dies, even by SIGKILL: every input goes
 through a ``Journal`` that appends it to a write-ahead log (``RUN_DIR/buffer_wal/``,
@@ -42,7 +41,7 @@ import msgspec
 import zmq
 
 from asyncrl.buffer.core import RolloutBuffer
-from asyncrl.buffer.scoring import Scoring, buffer_counters
+from asyncrl.buffer.scoring import InlineScoring, Scoring, buffer_counters
 from asyncrl.buffer.wal import Journal, WriteAheadLog, replay
 from asyncrl.config import load_json
 from asyncrl.metrics import MetricsConfig, MetricsLogger
@@ -82,7 +81,7 @@ DRAIN = 1000  # messages handled per socket per loop turn, so no socket starves 
 
 class BufferServer:
     def __init__(
-        self, cfg: RolloutConfig, buffer: RolloutBuffer, scoring: Scoring | None = None
+        self, cfg: RolloutConfig, buffer: RolloutBuffer, scoring: Scoring | InlineScoring
     ) -> None:
         self.cfg, self.buffer, self.scoring = cfg, buffer, scoring
         self.ctx = zmq.Context()
@@ -122,7 +121,7 @@ class BufferServer:
         segments. A crash anywhere in between leaves a saved state whose segment is whole."""
         segment = self.wal.roll() if self.wal is not None else 0
         tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_bytes(msgspec.msgpack.encode(SavedState(segment, self.buffer.state())))
+        tmp.write_bytes(msgspec.msgpack.encode(SavedState(segment, self.buffer.save())))
         os.replace(tmp, self.state_path)
         if self.wal is not None:
             self.wal.drop_before(segment)
@@ -138,8 +137,8 @@ class BufferServer:
         log_file = wal_dir / f"{segment:08d}.wal"
         if log_file.exists():
             replayed = replay(self.buffer, log_file.read_bytes())
-            self.buffer.rescore()
-            self.buffer.alive_since(now)
+            self.buffer.assembler.rescore()
+            self.buffer.leases.alive_since(now)
         if self.cfg.buffer.checkpoint_s:
             self.wal = WriteAheadLog(wal_dir, segment, self.cfg.buffer.wal_fsync)
             self.journal.log = self.wal
@@ -147,7 +146,7 @@ class BufferServer:
         if replayed or segment:
             print(
                 f"[buffer] restored: {replayed} logged events replayed, version "
-                f"{self.buffer.version}, {self.buffer.in_flight()} samples in flight",
+                f"{self.buffer.state.version}, {self.buffer.in_flight()} samples in flight",
                 flush=True,
             )
         return replayed
@@ -169,8 +168,7 @@ class BufferServer:
                     self._drain(self.leases, self._on_lease_socket, now)
                 if self.trainer in ready:
                     self._drain(self.trainer, self._on_trainer_socket, now)
-                if self.scoring is not None:
-                    self.scoring.pump(self.buffer, self.journal.reward)
+                self.scoring.pump(self.buffer, self.journal.reward)
                 if now - last_expire > 0.25:
                     self.journal.expire(now)
                     last_expire = now
@@ -190,8 +188,7 @@ class BufferServer:
             self._log_metrics()
             self._write_counters()
             self.metrics.close()
-            if self.scoring is not None:
-                self.scoring.close()
+            self.scoring.close()
             close_context(self.ctx)
 
     def stop(self) -> None:
@@ -223,7 +220,7 @@ class BufferServer:
         if isinstance(msg, Chunk):
             self.journal.chunk(msg, now)
         elif isinstance(msg, Heartbeat):
-            self.buffer.on_heartbeat(msg.worker_id, now, msg.version)
+            self.buffer.leases.on_heartbeat(msg.worker_id, now, msg.version)
         else:
             self._unexpected(msg, "chunks socket")
 
@@ -273,7 +270,7 @@ class BufferServer:
         return out
 
     def _log_metrics(self) -> None:
-        self.metrics.log(int(self.buffer.version), self.counters())
+        self.metrics.log(int(self.buffer.state.version), self.counters())
 
     def _write_counters(self) -> None:
         path = Path(self.cfg.run_dir) / "buffer_counters.json"
@@ -286,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     cfg: RolloutConfig = load_json(args.config)
     prompts = TaskPrompts(build_task(cfg.task), cfg.model.path, cfg.seed)
-    buffer = RolloutBuffer(cfg.buffer, cfg.run_id, prompts, None, cfg.sampling.spec())
+    buffer = RolloutBuffer(cfg.buffer, cfg.run_id, prompts, cfg.sampling.spec())
     server = BufferServer(cfg, buffer, Scoring(cfg))
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())

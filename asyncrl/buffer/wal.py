@@ -139,7 +139,7 @@ class WriteAheadLog:
 
 class Journal:
     """The buffer's inputs, applied and logged (``log=None``: applied only, e.g. during a
-    replay). Methods mirror ``RolloutBuffer``'s."""
+    replay). One method per input, each applied to the buffer part it concerns."""
 
     def __init__(self, buffer: RolloutBuffer, log: WriteAheadLog | None = None) -> None:
         self.buffer, self.log = buffer, log
@@ -149,41 +149,42 @@ class Journal:
             self.log.append(event)
 
     def lease(self, worker_id: str, capacity: int, now: float) -> list[Lease]:
-        leases = self.buffer.lease(worker_id, capacity, now)
+        leases = self.buffer.leases.lease(worker_id, capacity, now)
         if leases:
             self._record(Leased(worker_id, capacity, now))
         return leases
 
     def chunk(self, chunk: Chunk, now: float) -> None:
-        self.buffer.on_chunk(chunk, now)
+        self.buffer.leases.on_chunk(chunk, now)
         self._record(Chunked(chunk, now))
 
     def reward(self, key: tuple[int, int], reward: float) -> None:
-        self.buffer.on_reward(key, reward)
+        self.buffer.assembler.on_reward(key, reward)
         self._record(Rewarded(tuple(key), reward))
 
     def batch(self, step: int, rank: int, world_size: int) -> list[Sample] | None:
-        stale_before = self.buffer.counts["groups_stale"]
-        samples = self.buffer.batch_for(step, rank, world_size)
-        if samples is not None or self.buffer.counts["groups_stale"] != stale_before:
+        counts = self.buffer.state.counts
+        stale_before = counts["groups_stale"]
+        samples = self.buffer.batches.batch_for(step, rank, world_size)
+        if samples is not None or counts["groups_stale"] != stale_before:
             self._record(Batched(step, rank, world_size))
         return samples
 
     def version(self, version: int, resumed: bool = False) -> None:
         if resumed:
-            self.buffer.resume_at(version)
+            self.buffer.batches.resume_at(version)
         else:
-            self.buffer.set_version(version)
+            self.buffer.batches.set_version(version)
         self._record(Versioned(version, resumed))
 
     def checkpointed(self, step: int) -> None:
-        self.buffer.checkpointed(step)
+        self.buffer.batches.checkpointed(step)
         self._record(Checkpointed(step))
 
     def expire(self, now: float) -> int:
-        expired = self.buffer.expire(now)
+        expired = self.buffer.leases.expire(now)
         if expired:
-            self.buffer.revoke(expired)
+            self.buffer.leases.revoke(expired)
             self._record(Revoked(expired))
         return len(expired)
 
@@ -203,7 +204,7 @@ class Journal:
             case Checkpointed(step):
                 self.checkpointed(step)
             case Revoked(lease_ids):
-                self.buffer.revoke(lease_ids)
+                self.buffer.leases.revoke(lease_ids)
 
 
 def replay(buffer: RolloutBuffer, data: bytes) -> int:

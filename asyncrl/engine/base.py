@@ -1,20 +1,22 @@
-"""The inference-engine interface: what a generator needs from any engine.
+"""What an engine takes and gives: requests, generated tokens, finish reports, status.
 
-A generator (DESIGN §2) wraps one engine: it submits requests, calls ``step`` in a loop
-and streams the tokens it returns, aborts requests whose lease was withdrawn, and hands
-new weights to ``stage_weights`` as the trainer publishes them. Two implementations:
-the embedded torch engine (``asyncrl.engine.embedded``), and the remote engine
-(``asyncrl.engine.remote``), which drives sglang servers, or asyncrl's sglang-compatible
-front for the embedded engine, over HTTP and also takes weights as a directory on disk
-(``load_from_disk``). Every generated token carries its behavior logprob and the policy
-version that produced it (DESIGN §4).
+A generator (DESIGN §2) wraps one engine through the ``Engine`` protocol
+(``asyncrl.interfaces``): it submits ``Request``s, calls ``step`` in a loop and streams
+the ``GeneratedToken``s it returns, aborts requests whose lease was withdrawn, hands new
+``Weights`` (tensors, or a directory on disk) to ``stage_weights`` as the trainer
+publishes them, and reads an ``EngineStatus`` to decide how many leases to ask for. Two
+implementations: the embedded torch engine (``asyncrl.engine.embedded``) and the remote
+engine (``asyncrl.engine.remote``), which drives sglang servers, or asyncrl's
+sglang-compatible front for the embedded engine, over HTTP. Every generated token carries
+its behavior logprob and the policy version that produced it (DESIGN §4).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -74,18 +76,32 @@ class StepOutput:
     """Weights version the step ran with."""
 
 
-class Engine(Protocol):
-    def submit(self, request: Request) -> None:
-        """Queue a request; it joins the running batch at a later step."""
+Weights = Mapping[str, torch.Tensor] | str | Path
+"""New weights for ``Engine.stage_weights``: a state dict (full tensors by parameter name),
+or the path of a Hugging Face directory holding them in ``*.safetensors`` files (what
+``asyncrl.engine.servers.write_weights_dir`` and the ``DiskWeightPublisher`` write)."""
 
-    def step(self) -> StepOutput:
-        """Advance every active request by one token (prefilling newly admitted ones)."""
 
-    def abort(self, request_id: str) -> None:
-        """Drop a queued or running request and free its slot; reported as finished."""
+@dataclass(frozen=True)
+class EngineStatus:
+    """An engine's state at one moment, read in one call: what its caller decides from
+    (how many leases to ask for, whether to step, which weights are in use)."""
 
-    def stage_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Receive weights off the decode path; the engine flips to them between steps."""
-
-    def stats(self) -> dict[str, float]:
-        """Counters and gauges for metrics (active, queued, free slots, tokens, version …)."""
+    running: int
+    """Requests being decoded."""
+    waiting: int
+    """Requests submitted and not yet running."""
+    free_slots: int
+    """Requests that could start running now (free KV-cache slots, or server capacity)."""
+    version: int
+    """Version of the weights in use: the newest flipped in (or confirmed by every server)."""
+    staged_version: int
+    """Version of weights offered and not yet in use; -1 when there are none."""
+    tokens: int
+    """Tokens generated since the engine started."""
+    prefill_tokens: int | None
+    """Prompt tokens prefilled since the engine started; None where the engine cannot see
+    them (the remote engine: its servers prefill)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Every counter and gauge under its ``engine/`` name, for logging and servers'
+    ``/get_server_info``; decisions read the typed fields above."""

@@ -8,12 +8,14 @@ attention reads the cache through views and never gathers it. Each step gives ev
 running request one token with its behavior logprob and the version of the weights that
 produced it.
 
-Weights are double-buffered (DESIGN §5): ``stage_weights`` hands a state dict to a
-background thread that copies it into the idle copy of the model while decoding goes on
-with the active one; the next ``step`` swaps the two by reference, so a flip costs no
-copy on the decode path. In-flight sequences then follow ``flip_policy``: ``recompute``
-re-prefills their tokens under the new weights (AReaL's interruptible generation),
-``keep`` continues on the old cache.
+It implements the ``Engine`` protocol (``asyncrl.interfaces``), configured by
+``EmbeddedEngineConfig`` (``engine.embedded.*`` in an experiment). Weights are
+double-buffered (DESIGN §5): ``stage_weights`` hands a state dict (or one read from a
+directory) to a background thread that puts it into the idle copy of the model while
+decoding goes on with the active one; the next ``step`` swaps the two by reference, so a
+flip costs no copy on the decode path. In-flight sequences then follow ``flip_policy``:
+``recompute`` re-prefills their tokens under the new weights (AReaL's interruptible
+generation), ``keep`` continues on the old cache.
 """
 
 from __future__ import annotations
@@ -27,15 +29,17 @@ from typing import Literal
 
 import torch
 
-from asyncrl.engine.base import Finished, GeneratedToken, Request, StepOutput
+from asyncrl.engine.base import EngineStatus, Finished, GeneratedToken, Request, StepOutput, Weights
 from asyncrl.engine.decoder import CachedDecoder, KVCache
 from asyncrl.engine.sampling import sample
-from asyncrl.engine.servers import RemoteEngineConfig
+from asyncrl.engine.servers import read_weights_dir
 from asyncrl.models import ModelConfig, load_model
 
 
 @dataclass
-class EngineConfig:
+class EmbeddedEngineConfig:
+    """The embedded engine's settings (``engine.embedded.*``)."""
+
     max_slots: int = 64
     """Sequences decoded together (KV-cache slots)."""
     max_seq_len: int = 0
@@ -55,12 +59,6 @@ class EngineConfig:
     """Where the engine runs; auto picks CUDA when available."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of weights and KV cache."""
-    backend: Literal["embedded", "remote"] = "embedded"
-    """Generators' engine: ``embedded`` (this one, in the generator process) or ``remote``
-    (HTTP servers speaking sglang's API, ``asyncrl.engine.remote``; configured by ``remote``;
-    ``max_seq_len`` and ``threads`` also apply to launched embedded servers)."""
-    remote: RemoteEngineConfig = field(default_factory=RemoteEngineConfig)
-    """The servers of the ``remote`` backend: launch or attach, weight updates."""
 
 
 @dataclass
@@ -88,8 +86,10 @@ class _Counters:
 
 
 class EmbeddedEngine:
-    def __init__(self, model_path: str, cfg: EngineConfig | None = None, version: int = 0) -> None:
-        self.cfg = cfg = cfg or EngineConfig()
+    def __init__(
+        self, model_path: str, cfg: EmbeddedEngineConfig | None = None, version: int = 0
+    ) -> None:
+        self.cfg = cfg = cfg or EmbeddedEngineConfig()
         if cfg.threads > 0:
             torch.set_num_threads(cfg.threads)
         use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
@@ -149,9 +149,12 @@ class EmbeddedEngine:
             self._aborted.append(Finished(request_id, "abort", 0))
         self.counters.aborted += 1
 
-    def stage_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Offer weights ``version``; the engine takes ownership of the tensors (the caller
-        must not modify them afterwards) and flips to them at the next step boundary."""
+    def stage_weights(self, weights: Weights, version: int, *, wait: bool = False) -> None:
+        """Offer weights ``version``: a state dict, whose tensors the engine takes over (the
+        caller must not modify them afterwards), or an HF directory, read here on the
+        caller's thread. The engine flips to them at the next step boundary; with ``wait``,
+        it flips now, once they are staged (see ``load_weights``)."""
+        state_dict = weights if isinstance(weights, Mapping) else read_weights_dir(weights)
         expected = {name: p.shape for name, p in self._idle.model.named_parameters()}
         # Tied weights (lm_head = embed_tokens) appear twice in a state dict; accept both.
         unknown = sorted(set(state_dict) - set(self._idle.model.state_dict()))
@@ -167,22 +170,14 @@ class EmbeddedEngine:
         with self._cond:
             self._incoming = (state_dict, version)  # a newer offer replaces an unstarted one
             self._cond.notify_all()
+        if wait:
+            self._flip_when_staged(version)
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """``stage_weights`` then flip now, waiting for the staging thread: for a caller that
-        is not decoding meanwhile (the colocated placement), so its next step already
-        generates with ``version``. Takes ownership of the tensors, like ``stage_weights``."""
-        self.stage_weights(state_dict, version)
-        while True:
-            with self._cond:
-                # An older staged version may come first; flipping it frees the idle copy.
-                self._cond.wait_for(lambda: self._closed or self._ready is not None)
-                if self._closed:
-                    raise RuntimeError("the engine was closed while loading weights")
-                done = self._ready == version and self._incoming is None
-            self._maybe_flip()
-            if done:
-                return
+        is not decoding meanwhile (the colocated placement, evaluation), so its next step
+        already generates with ``version``. Takes ownership of the tensors."""
+        self.stage_weights(state_dict, version, wait=True)
 
     def step(self) -> StepOutput:
         start = time.perf_counter()
@@ -210,16 +205,18 @@ class EmbeddedEngine:
         self.counters.last_step_ms = (time.perf_counter() - start) * 1000
         return StepOutput(tokens=tokens, finished=finished, version=self.version)
 
-    def stats(self) -> dict[str, float]:
+    def status(self) -> EngineStatus:
         c = self.counters
-        return {
-            "engine/running": len(self.running),
-            "engine/waiting": len(self.waiting),
-            "engine/free_slots": self.free_slots,
+        running, waiting, free = len(self.running), len(self.waiting), self.free_slots
+        # Weights staged and waiting for the next step's flip (-1: none), so callers can
+        # time staging and know when an offered version will be used.
+        staged = -1 if self._ready is None else self._ready
+        metrics = {
+            "engine/running": running,
+            "engine/waiting": waiting,
+            "engine/free_slots": free,
             "engine/version": self.version,
-            # Weights staged and waiting for the next step's flip (-1: none), so callers can
-            # time staging and know when an offered version will be used.
-            "engine/staged_version": -1 if self._ready is None else self._ready,
+            "engine/staged_version": staged,
             "engine/steps": c.steps,
             "engine/tokens": c.tokens,
             "engine/prefill_tokens": c.prefill_tokens,
@@ -230,6 +227,9 @@ class EmbeddedEngine:
             "engine/recomputed_tokens": c.recomputed_tokens,
             "engine/last_step_ms": c.last_step_ms,
         }
+        return EngineStatus(
+            running, waiting, free, self.version, staged, c.tokens, c.prefill_tokens, metrics
+        )
 
     def close(self) -> None:
         with self._cond:
@@ -294,6 +294,11 @@ class EmbeddedEngine:
     def free_slots(self) -> int:
         return self.cfg.max_slots - len(self.slots)
 
+    @property
+    def idle(self) -> bool:
+        """Nothing queued or running, and no abort left for a step to report."""
+        return not (self.running or self.waiting or self._aborted)
+
     def _release(self, seq: _Sequence) -> None:
         """Free ``seq``'s slot, moving the last running sequence into it."""
         last = self.slots.pop()
@@ -357,6 +362,18 @@ class EmbeddedEngine:
             with self._cond:
                 self._ready = version
                 self._cond.notify_all()  # load_weights may be waiting for it
+
+    def _flip_when_staged(self, version: int) -> None:
+        while True:
+            with self._cond:
+                # An older staged version may come first; flipping it frees the idle copy.
+                self._cond.wait_for(lambda: self._closed or self._ready is not None)
+                if self._closed:
+                    raise RuntimeError("the engine was closed while loading weights")
+                done = self._ready == version and self._incoming is None
+            self._maybe_flip()
+            if done:
+                return
 
     def _maybe_flip(self) -> None:
         if self._ready is None:

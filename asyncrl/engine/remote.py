@@ -2,8 +2,9 @@
 
 A generator with ``engine.backend="remote"`` drives one or more inference servers (sglang,
 or asyncrl's sglang-compatible front for the embedded engine) that it launches or
-attaches to (``asyncrl.engine.servers``). Its decode loop is unchanged: ``submit``,
-``step``, ``abort``, new weights, ``stats``.
+attaches to (``asyncrl.engine.servers``), configured by ``RemoteEngineConfig``
+(``engine.remote.*``). The generator drives it through the same ``Engine`` protocol
+(``asyncrl.interfaces``) as the embedded engine.
 
 - **Requests.** Each request is one streaming ``POST /generate`` (``input_ids``,
   ``sampling_params``, ``return_logprob``, ``stream``, ``rid``) to the server with the
@@ -17,14 +18,14 @@ attaches to (``asyncrl.engine.servers``). Its decode loop is unchanged: ``submit
   does); sglang does not, and then it is ``meta_info.weight_version`` of the response
   chunk that first carried the token. That is exact here, because a weight update first
   interrupts every request on the server (below), so no chunk mixes two versions.
-- **Weights.** ``load_from_disk(path, version)`` (the ``DiskWeightPublisher``'s
-  announcements) updates the servers one after another, so the others keep generating:
-  ``/pause_generation`` (mode ``abort``), ``/update_weights_from_disk`` {``model_path``,
-  ``weight_version``}, ``/continue_generation``. A server's version advances only when it
-  confirms; the engine's version (``engine/version``) is the oldest of its servers'.
-  ``stage_weights`` (raw tensors) writes such a directory first. With NCCL updates the
-  trainer pauses, broadcasts and continues the servers itself; the engine follows the
-  versions the responses report.
+- **Weights.** ``stage_weights(path, version)`` (the ``DiskWeightPublisher``'s
+  announcements) has its ``ServerUpdates`` (``asyncrl.engine.remote_weights``) update the
+  servers one after another, so the others keep generating: ``/pause_generation`` (mode
+  ``abort``), ``/update_weights_from_disk`` {``model_path``, ``weight_version``},
+  ``/continue_generation``. A server's version advances only when it confirms; the
+  engine's version is the oldest of its servers'. Raw tensors are written as such a
+  directory first. With NCCL updates the trainer pauses, broadcasts and continues the
+  servers itself; the engine follows the versions the responses report.
 - **Interruption and resumption** (AReaL's interruptible generation, on sglang). A pause
   ends every request on the server with finish reason ``abort``; a request the caller
   did not abort is sent again as prompt + the tokens generated so far, with
@@ -55,19 +56,16 @@ import aiohttp
 import torch
 
 from asyncrl.engine import sglang_api as api
-from asyncrl.engine.base import Finished, GeneratedToken, Request, StepOutput
-from asyncrl.engine.embedded import EngineConfig
-from asyncrl.engine.remote_weights import ServerUpdates
+from asyncrl.engine.base import EngineStatus, Finished, GeneratedToken, Request, StepOutput, Weights
+from asyncrl.engine.remote_weights import ServerState, ServerUpdates, get_json, post_json
 from asyncrl.engine.servers import (
-    Server,
-    launch_servers,
+    RemoteEngineConfig,
     log_tail,
+    start_servers,
     stop_servers,
-    wait_healthy,
     write_weights_dir,
 )
 from asyncrl.models import model_config
-from asyncrl.transport import write_endpoints
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +83,7 @@ class _Seq:
     attempt: int = 0
     fruitless: int = 0
     """Attempts in a row that ended without a new token."""
-    server: _ServerState | None = None
+    server: ServerState | None = None
     aborted: bool = False
     """The caller aborted it: report ``abort``, never resend."""
 
@@ -97,42 +95,28 @@ class _Seq:
 
 
 @dataclass
-class _ServerState:
-    server: Server
-    version: int
-    inflight: int = 0
-    updating: bool = False
-
-
-@dataclass
 class _Counters:
     tokens: int = 0
     finished: int = 0
     aborted: int = 0
     resent: int = 0
     resent_tokens: int = 0
-    weight_updates: int = 0
-    weight_update_failures: int = 0
-    last_update_s: float = 0.0
 
 
-class RemoteEngine(ServerUpdates):
+class RemoteEngine:
     def __init__(
         self,
         model_path: str,
-        cfg: EngineConfig,
+        cfg: RemoteEngineConfig,
         version: int = 0,
         log_dir: str | Path = "",
         name: str = "engine",
     ) -> None:
-        self.cfg, self.remote = cfg, cfg.remote
-        self.remote.check()
-        self.model_path = model_path
+        cfg.check()
+        self.cfg, self.model_path = cfg, model_path
         config = model_config(model_path)
         self.max_seq_len = cfg.max_seq_len or config.max_position_embeddings
         self.eos_ids = api.eos_ids(model_path, config)
-        self.version = version
-        self.staged_version = -1
         self.counters = _Counters()
         self._lock = threading.Lock()  # guards the queues below and the outputs
         self._queued: deque[_Seq] = deque()
@@ -141,33 +125,27 @@ class RemoteEngine(ServerUpdates):
         self._finished: list[Finished] = []
         self._arrived = threading.Condition(self._lock)
         self._failure: str | None = None
-        self._target: tuple[str, int] | None = None  # newest weights offered
-        self._updater: asyncio.Task | None = None
         self._staging = Path(tempfile.mkdtemp(prefix="asyncrl-staged-"))
-        if self.remote.urls:
-            servers = [Server(url.rstrip("/")) for url in self.remote.urls]
-        else:
-            log_dir = Path(log_dir) if log_dir else self._staging / "logs"
-            servers = launch_servers(
-                self.remote, model_path, log_dir, name, version, cfg.max_seq_len, cfg.threads
-            )
-        self.servers = [_ServerState(s, version) for s in servers]
-        try:
-            wait_healthy(servers, self.remote.startup_timeout_s)
-        except BaseException:
-            stop_servers(servers)
-            raise
+        log_dir = Path(log_dir) if log_dir else self._staging / "logs"
+        servers = start_servers(cfg, model_path, log_dir, name, version)
+        self.servers = [ServerState(server, version) for server in servers]
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="remote-engine", daemon=True
         )
         self._thread.start()
         self._session: aiohttp.ClientSession = self._call(self._open_session())
-        if self.remote.urls:  # attached: start from the versions the servers report
+        if cfg.urls:  # attached: start from the versions the servers report
             for state in self.servers:
-                info = self._call(self._get(state, "/get_model_info"))
+                info = self._call(get_json(self._session, state.server.url, "/get_model_info"))
                 state.version = api.as_version(info.get("weight_version"), version)
-            self.version = min(s.version for s in self.servers)
+        self.updates = ServerUpdates(
+            self.servers,
+            self._session,
+            self._loop,
+            self._dispatch,
+            min(s.version for s in self.servers),
+        )
 
     @property
     def urls(self) -> list[str]:
@@ -197,40 +175,34 @@ class RemoteEngine(ServerUpdates):
                 raise RuntimeError(self._failure)
             tokens, self._tokens = self._tokens, []
             finished, self._finished = self._finished, []
-        return StepOutput(tokens=tokens, finished=finished, version=self.version)
+        return StepOutput(tokens=tokens, finished=finished, version=self.updates.version)
 
     def abort(self, request_id: str) -> None:
         self._loop.call_soon_threadsafe(self._abort, request_id)
 
-    def stage_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Write the tensors as an HF directory, then ``load_from_disk`` it (the caller's
-        thread writes; decoding goes on meanwhile)."""
-        path = write_weights_dir(state_dict, self.model_path, self._staging / f"v{version}")
-        for old in self._staging.glob("v*"):  # keep this version and the one before
-            if old.name[1:].isdigit() and int(old.name[1:]) < version - 1:
-                shutil.rmtree(old, ignore_errors=True)
-        self.load_from_disk(str(path), version)
+    def stage_weights(self, weights: Weights, version: int, *, wait: bool = False) -> None:
+        """Have every server load ``weights`` as ``version``, one server at a time (see
+        ``ServerUpdates``); returns at once unless ``wait``. A directory is loaded as it is;
+        tensors are first written as one, on the caller's thread (decoding goes on
+        meanwhile). A version not newer than the newest offered is ignored."""
+        if isinstance(weights, Mapping):
+            weights = self._write_staged(weights, version)
+        self.updates.offer(str(weights), version)
+        if wait:  # each server's update is three control calls, each bounded by the timeout
+            self.updates.wait_for(version, 3 * len(self.servers) * self.cfg.request_timeout_s)
 
-    def load_from_disk(self, path: str, version: int) -> None:
-        """Load the HF directory ``path`` as weights ``version`` into every server, one
-        server at a time; returns at once. Older offers than the newest are skipped."""
-        with self._lock:
-            if version <= max(self.version, self._target[1] if self._target else -1):
-                return
-            self._target = (path, version)
-            self.staged_version = version
-        self._loop.call_soon_threadsafe(self._start_updater)
-
-    def stats(self) -> dict[str, float]:
-        c = self.counters
+    def status(self) -> EngineStatus:
+        c, updates = self.counters, self.updates
         with self._lock:
             running, waiting = len(self._running), len(self._queued)
-        return {
+        free = len(self.servers) * self.cfg.max_inflight - running
+        version, staged = updates.version, updates.staged_version
+        metrics = {
             "engine/running": running,
             "engine/waiting": waiting,
-            "engine/free_slots": len(self.servers) * self.remote.max_inflight - running,
-            "engine/version": self.version,
-            "engine/staged_version": self.staged_version,
+            "engine/free_slots": free,
+            "engine/version": version,
+            "engine/staged_version": staged,
             "engine/servers": len(self.servers),
             "engine/tokens": c.tokens,
             "engine/finished": c.finished,
@@ -238,10 +210,9 @@ class RemoteEngine(ServerUpdates):
             # Requests sent again after an interruption, and the tokens re-prefilled for them.
             "engine/resent": c.resent,
             "engine/resent_tokens": c.resent_tokens,
-            "engine/weight_updates": c.weight_updates,
-            "engine/weight_update_failures": c.weight_update_failures,
-            "engine/last_update_s": c.last_update_s,
+            **updates.metrics(),
         }
+        return EngineStatus(running, waiting, free, version, staged, c.tokens, None, metrics)
 
     def close(self) -> None:
         if self._loop.is_running():
@@ -252,6 +223,14 @@ class RemoteEngine(ServerUpdates):
                 self._thread.join(timeout=5)
         stop_servers([s.server for s in self.servers])
         shutil.rmtree(self._staging, ignore_errors=True)
+
+    def _write_staged(self, state_dict: Mapping[str, torch.Tensor], version: int) -> Path:
+        """Write tensors as the HF directory ``vVERSION`` of the staging directory."""
+        path = write_weights_dir(state_dict, self.model_path, self._staging / f"v{version}")
+        for old in self._staging.glob("v*"):  # keep this version and the one before
+            if old.name[1:].isdigit() and int(old.name[1:]) < version - 1:
+                shutil.rmtree(old, ignore_errors=True)
+        return path
 
     # ---- the loop thread: requests -------------------------------------------------
     def _call(self, coro):
@@ -266,7 +245,7 @@ class RemoteEngine(ServerUpdates):
         await self._session.close()
 
     async def _open_session(self) -> aiohttp.ClientSession:
-        t = self.remote.request_timeout_s
+        t = self.cfg.request_timeout_s
         timeout = aiohttp.ClientTimeout(total=None, connect=t, sock_read=t)
         # Cumulative stream lines grow with the completion: allow long ones.
         return aiohttp.ClientSession(timeout=timeout, read_bufsize=1 << 22)
@@ -276,9 +255,7 @@ class RemoteEngine(ServerUpdates):
         with self._lock:
             while self._queued:
                 open_ = [
-                    s
-                    for s in self.servers
-                    if not s.updating and s.inflight < self.remote.max_inflight
+                    s for s in self.servers if not s.updating and s.inflight < self.cfg.max_inflight
                 ]
                 if not open_:
                     return
@@ -298,7 +275,10 @@ class RemoteEngine(ServerUpdates):
             seq = self._running.get(request_id)
         if seq is not None and not seq.aborted:
             seq.aborted = True  # its stream ends with "abort", reported then
-            self._loop.create_task(self._post(seq.server, "/abort_request", {"rid": seq.rid}))
+            abort = post_json(
+                self._session, seq.server.server.url, "/abort_request", {"rid": seq.rid}
+            )
+            self._loop.create_task(abort)
 
     async def _attempt(self, seq: _Seq) -> None:
         server, before = seq.server, len(seq.tokens)
@@ -335,7 +315,7 @@ class RemoteEngine(ServerUpdates):
         used = len(seq.request.prompt_ids) + len(seq.tokens)
         return min(seq.request.params.max_new_tokens - len(seq.tokens), self.max_seq_len - used)
 
-    async def _stream(self, server: _ServerState, seq: _Seq) -> tuple[str | None, bool]:
+    async def _stream(self, server: ServerState, seq: _Seq) -> tuple[str | None, bool]:
         """One ``/generate`` attempt; records its tokens. Returns (finish reason, error)."""
         payload = api.generate_payload(
             seq.rid, seq.request.prompt_ids + seq.tokens, seq.request.params, self._budget(seq)
@@ -361,12 +341,10 @@ class RemoteEngine(ServerUpdates):
                         return reason, True
         return reason, False
 
-    def _take(self, server: _ServerState, seq: _Seq, meta: dict, seen: int) -> int:
+    def _take(self, server: ServerState, seq: _Seq, meta: dict, seen: int) -> int:
         """Record the tokens ``meta`` adds to this attempt's ``seen``; returns the new count."""
         version = api.as_version(meta.get("weight_version"), server.version)
-        if version > server.version:  # updated by someone else (the trainer, over NCCL)
-            server.version = version
-            self.version = max(self.version, min(s.version for s in self.servers))
+        self.updates.observe(server, version)
         new, seen = api.new_tokens(meta, seen, version)
         if new:
             rid = seq.request.request_id
@@ -393,16 +371,3 @@ class RemoteEngine(ServerUpdates):
         with self._arrived:
             self._failure = message
             self._arrived.notify_all()
-
-
-def generator_engine(cfg, model_path: str, worker_id: str) -> RemoteEngine:
-    """A generator's remote engine (``cfg`` is its ``RolloutConfig``): server logs go to
-    ``RUN_DIR/logs/generator_ID_serverI.log``, and the server URLs to
-    ``RUN_DIR/endpoints/servers-ID.json`` (read by the trainer's NCCL publisher)."""
-    engine = RemoteEngine(
-        model_path, cfg.engine, log_dir=Path(cfg.run_dir) / "logs", name=f"generator_{worker_id}"
-    )
-    write_endpoints(
-        cfg.run_dir, f"servers-{worker_id}", {str(i): url for i, url in enumerate(engine.urls)}
-    )
-    return engine

@@ -1,99 +1,194 @@
-"""How a ``RemoteEngine`` brings its servers to new weights, on its event-loop thread
-(a mixin of ``RemoteEngine``, split out to keep each file readable).
+"""How the remote engine brings its servers to new weights, and its JSON control calls.
 
-One server at a time, so the others keep generating: pause it (mode ``abort``: its
-requests in flight end and are re-sent by the engine as prompt + tokens so far), ask it
-to load the versioned directory (``/update_weights_from_disk``), continue. A server's
-version advances only when it confirms; the engine's version is the oldest of its
-servers'. A failed update is forgotten, so the trainer's next announcement retries it.
+``ServerUpdates`` is ``RemoteEngine``'s collaborator for weights: it owns the engine's
+weights version (the oldest of its servers') and the offered one, takes offers of
+versioned HF directories from any thread, and updates the servers on the engine's event
+loop, one at a time, so the others keep generating: pause the server (mode ``abort``:
+its requests in flight end, and the engine sends them again as prompt + tokens so far),
+have it load the directory (``/update_weights_from_disk``), continue. A server's version
+advances only when it confirms. A failed update is forgotten, so the trainer's next
+announcement retries it. ``ServerState`` is what the engine and this class know of one
+server; ``post_json`` and ``get_json`` are the control calls both make.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import aiohttp
 
-if TYPE_CHECKING:  # remote imports this module
-    from asyncrl.engine.remote import _ServerState
+from asyncrl.engine.servers import Server
 
 log = logging.getLogger("asyncrl.remote")
 
 
-class ServerUpdates:
-    """The weight-update half of ``RemoteEngine``; it uses the engine's ``servers``,
-    ``_loop``, ``_lock``, ``_session``, ``_target``, ``counters`` and ``_dispatch``."""
+@dataclass
+class ServerState:
+    """One server, as the remote engine tracks it."""
 
-    def _start_updater(self) -> None:
-        if self._updater is None or self._updater.done():
-            self._updater = self._loop.create_task(self._update_servers())
+    server: Server
+    version: int
+    """Weights version the server runs: confirmed by an update, or reported on a response."""
+    inflight: int = 0
+    """Requests sent to it that have not ended."""
+    updating: bool = False
+    """Its weights are being updated: no new request goes there meanwhile."""
+
+
+async def post_json(
+    session: aiohttp.ClientSession, url: str, path: str, payload: dict
+) -> dict | None:
+    """POST a control call to the server at ``url``; its JSON answer ({} if none), or None
+    on failure (logged)."""
+    try:
+        async with session.post(f"{url}{path}", json=payload) as resp:
+            text = await resp.text()
+            if resp.status != 200:
+                log.warning("%s%s answered %s: %s", url, path, resp.status, text[:300])
+                return None
+            try:
+                return json.loads(text) if text else {}
+            except json.JSONDecodeError:
+                return {}
+    except (TimeoutError, aiohttp.ClientError) as e:
+        log.warning("%s%s failed: %s", url, path, e)
+        return None
+
+
+async def get_json(session: aiohttp.ClientSession, url: str, path: str) -> dict:
+    """GET ``path`` of the server at ``url``: its JSON answer, {} unless it answered 200."""
+    async with session.get(f"{url}{path}") as resp:
+        return json.loads(await resp.text()) if resp.status == 200 else {}
+
+
+class ServerUpdates:
+    """The weights of a remote engine's servers. ``offer``, ``wait_for`` and the attributes
+    are safe from any thread; ``observe`` and the updates run on the engine's loop."""
+
+    def __init__(
+        self,
+        servers: list[ServerState],
+        session: aiohttp.ClientSession,
+        loop: asyncio.AbstractEventLoop,
+        on_server_free: Callable[[], None],
+        version: int,
+    ) -> None:
+        self.servers = servers
+        self.version = version
+        """The engine's weights version: the oldest of its servers'."""
+        self.staged_version = -1
+        """The version being brought to the servers; -1 when none is."""
+        self.completed = 0
+        """Updates every server confirmed."""
+        self.failed = 0
+        """Updates some server did not confirm (forgotten, retried on the next offer)."""
+        self.last_update_s = 0.0
+        """Seconds the last update took, over every server."""
+        self._session, self._loop = session, loop
+        self._on_server_free = on_server_free  # the engine sends it requests again
+        self._changed = threading.Condition()  # guards _target, staged_version, version
+        self._target: tuple[str, int] | None = None  # newest weights offered
+        self._task: asyncio.Task | None = None
+
+    def offer(self, path: str, version: int) -> None:
+        """Bring every server to the HF directory ``path`` as ``version``; returns at once.
+        An offer not newer than the engine's version or the newest offered is ignored."""
+        with self._changed:
+            if version <= max(self.version, self._target[1] if self._target else -1):
+                return
+            self._target = (path, version)
+            self.staged_version = version
+        self._loop.call_soon_threadsafe(self._start)
+
+    def wait_for(self, version: int, timeout_s: float) -> None:
+        """Block until the engine runs ``version`` (or newer); RuntimeError when its update
+        failed, TimeoutError after ``timeout_s``."""
+        with self._changed:
+            settled = self._changed.wait_for(
+                lambda: self.version >= version or self._target is None, timeout_s
+            )
+            if not settled:
+                raise TimeoutError(
+                    f"the servers were loading weights v{version} after {timeout_s:.0f}s"
+                )
+            if self.version < version:
+                raise RuntimeError(f"the servers did not load weights v{version} (see the log)")
+
+    def observe(self, state: ServerState, version: int) -> None:
+        """A response of ``state`` carried weights ``version``: when newer, someone else
+        (the trainer, over NCCL) updated the server; follow it."""
+        if version > state.version:
+            state.version = version
+            self.version = max(self.version, min(s.version for s in self.servers))
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "engine/weight_updates": self.completed,
+            "engine/weight_update_failures": self.failed,
+            "engine/last_update_s": self.last_update_s,
+        }
+
+    # ---- on the engine's loop --------------------------------------------------------
+    def _start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = self._loop.create_task(self._update_servers())
+
+    def _settle(self, target: tuple[str, int] | None) -> bool:
+        """Forget ``target`` if it is still the newest offer (it is done, or it failed)."""
+        with self._changed:
+            if self._target != target:
+                return False
+            self._target, self.staged_version = None, -1
+            self._changed.notify_all()
+            return True
 
     async def _update_servers(self) -> None:
         """Bring every server to the newest offered version, one server at a time."""
         while True:
-            with self._lock:
-                target = self._target
-                if target is None or target[1] <= self.version:
-                    self._target, self.staged_version = None, -1
+            target = self._target
+            if target is None or target[1] <= self.version:
+                if self._settle(target):
                     return
+                continue
             path, version = target
             start = time.perf_counter()
             for state in self.servers:
                 if state.version < version:
                     await self._update_one(state, path, version)
-            self.counters.last_update_s = time.perf_counter() - start
+            self.last_update_s = time.perf_counter() - start
             if min(s.version for s in self.servers) < version:
-                self.counters.weight_update_failures += 1
-                with self._lock:  # forget it, so the trainer's next announcement retries it
-                    if self._target == target:
-                        self._target, self.staged_version = None, -1
-                        return
+                self.failed += 1
+                if self._settle(target):  # so the trainer's next announcement retries it
+                    return
                 continue
-            self.version = version
-            self.counters.weight_updates += 1
+            with self._changed:
+                self.completed += 1
+                self.version = version
+                self._changed.notify_all()
 
-    async def _update_one(self, state: _ServerState, path: str, version: int) -> None:
-        state.updating = True  # no new request goes there meanwhile
+    async def _update_one(self, state: ServerState, path: str, version: int) -> None:
+        state.updating = True
+        url = state.server.url
         try:
             # Pausing ends the requests in flight (finish reason abort; they are resent).
-            await self._post(state, "/pause_generation", {"mode": "abort"})
-            body = await self._post(
-                state,
+            await post_json(self._session, url, "/pause_generation", {"mode": "abort"})
+            body = await post_json(
+                self._session,
+                url,
                 "/update_weights_from_disk",
                 {"model_path": path, "weight_version": str(version)},
             )
             if body is not None and body.get("success", True):
                 state.version = max(state.version, version)
             else:
-                log.warning(
-                    "%s did not load weights v%d from %s: %s", state.server.url, version, path, body
-                )
+                log.warning("%s did not load weights v%d from %s: %s", url, version, path, body)
         finally:
-            await self._post(state, "/continue_generation", {})
+            await post_json(self._session, url, "/continue_generation", {})
             state.updating = False
-            self._dispatch()
-
-    async def _post(self, state: _ServerState, path: str, payload: dict) -> dict | None:
-        """POST a control call; its JSON answer ({} if none), or None on failure."""
-        try:
-            async with self._session.post(f"{state.server.url}{path}", json=payload) as resp:
-                text = await resp.text()
-                if resp.status != 200:
-                    log.warning(
-                        "%s%s answered %s: %s", state.server.url, path, resp.status, text[:300]
-                    )
-                    return None
-                try:
-                    return json.loads(text) if text else {}
-                except json.JSONDecodeError:
-                    return {}
-        except (TimeoutError, aiohttp.ClientError) as e:
-            log.warning("%s%s failed: %s", state.server.url, path, e)
-            return None
-
-    async def _get(self, state: _ServerState, path: str) -> dict:
-        async with self._session.get(f"{state.server.url}{path}") as resp:
-            return json.loads(await resp.text()) if resp.status == 200 else {}
+            self._on_server_free()

@@ -51,7 +51,7 @@ import sys
 import msgspec
 from aiohttp import web
 
-from asyncrl.engine.embedded import EmbeddedEngine, EngineConfig
+from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from asyncrl.engine.serve_engine import EngineServer, Flight
 from asyncrl.engine.serve_protocol import BadRequest, parse_generate
 
@@ -213,7 +213,7 @@ async def get_model_info(request: web.Request) -> web.Response:
 
 async def get_server_info(request: web.Request) -> web.Response:
     server = request.app[SERVER]
-    stats = {**server.engine.stats(), "paused": server.paused}
+    stats = {**server.engine.status().metrics, "paused": server.paused}
     return _json(
         {
             "model_path": server.model_path,
@@ -285,7 +285,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace) -> int:
     """Run until SIGINT/SIGTERM (exit status 0) or an engine failure (1)."""
-    cfg = EngineConfig(
+    cfg = EmbeddedEngineConfig(
         max_slots=args.max_slots,
         max_seq_len=args.max_seq_len,
         threads=args.threads,

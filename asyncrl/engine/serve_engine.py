@@ -18,10 +18,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import count
-from pathlib import Path
-
-import torch
-from safetensors.torch import load_file
 
 from asyncrl.engine.base import Request, StepOutput
 from asyncrl.engine.embedded import EmbeddedEngine
@@ -31,6 +27,7 @@ from asyncrl.engine.serve_protocol import (
     Generation,
     finish_reason_json,
 )
+from asyncrl.engine.servers import read_weights_dir
 from asyncrl.models import load_tokenizer, model_config
 
 log = logging.getLogger("asyncrl.serve")
@@ -45,17 +42,6 @@ class Flight:
     """The id inside the engine: unique per submission, so a late report about an
     earlier request that reused a ``rid`` is never applied to this one."""
     changed: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-def load_safetensors_dir(path: str) -> dict[str, torch.Tensor]:
-    """Every tensor of the ``*.safetensors`` files in an HF model directory."""
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors files in {path!r}")
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        state.update(load_file(str(file), device="cpu"))
-    return state
 
 
 class EngineServer:
@@ -179,7 +165,7 @@ class EngineServer:
     async def update_weights(self, model_path: str, label: str | None) -> None:
         loop = asyncio.get_running_loop()
         # Reading the files is slow and touches no engine state: do it while decoding.
-        state = await loop.run_in_executor(None, load_safetensors_dir, model_path)
+        state = await loop.run_in_executor(None, read_weights_dir, model_path)
 
         async def command() -> None:
             version = max(self.labels) + 1

@@ -147,13 +147,10 @@ def _prompt(body: dict, vocab_size: int, encode: Callable[[str], list[int]]) -> 
     return _token_ids(encode(text), "text (tokenized)", vocab_size)
 
 
-def _sampling(
-    raw: Any, prompt_len: int, vocab_size: int, max_seq_len: int
-) -> tuple[SamplingParams, dict[str, Any]]:
-    """Engine sampling params, plus the output options that ride in sglang's
-    ``sampling_params`` (stream_interval, skip_special_tokens, no_stop_trim)."""
+def _sampling_keys(raw: Any) -> dict[str, Any]:
+    """``sampling_params`` as a dict whose every key the engine honours or can ignore."""
     if raw is None:
-        raw = {}
+        return {}
     if isinstance(raw, list):
         raise BadRequest("sampling_params is a batch (a list); send one request per prompt")
     if not isinstance(raw, dict):
@@ -165,18 +162,45 @@ def _sampling(
                 raise BadRequest(f"{name}={value!r} is not supported by the embedded engine")
         elif key not in _IMPLEMENTED:
             raise BadRequest(f"{name} is not a sampling parameter")
+    return raw
+
+
+def _max_new_tokens(raw: dict[str, Any], prompt_len: int, max_seq_len: int) -> int:
     room = max_seq_len - prompt_len
     if raw.get("max_new_tokens") is None:
         # As in sglang: an absent limit (default 128) or null stops at the context length;
         # only an explicit limit that does not fit is an error.
-        max_new = room if "max_new_tokens" in raw else min(128, room)
-    else:
-        max_new = _integer(raw["max_new_tokens"], "sampling_params.max_new_tokens", 1)
-        if max_new > room:
-            raise BadRequest(
-                f"sampling_params.max_new_tokens={max_new} plus the prompt's {prompt_len} "
-                f"tokens exceed the context length {max_seq_len}"
-            )
+        return room if "max_new_tokens" in raw else min(128, room)
+    max_new = _integer(raw["max_new_tokens"], "sampling_params.max_new_tokens", 1)
+    if max_new > room:
+        raise BadRequest(
+            f"sampling_params.max_new_tokens={max_new} plus the prompt's {prompt_len} "
+            f"tokens exceed the context length {max_seq_len}"
+        )
+    return max_new
+
+
+def _output_options(raw: dict[str, Any]) -> dict[str, Any]:
+    """The output options that ride in sglang's ``sampling_params``."""
+    interval = raw.get("stream_interval")
+    return {
+        "stream_interval": 1
+        if interval is None
+        else _integer(interval, "sampling_params.stream_interval", 1),
+        "skip_special_tokens": _flag(
+            raw, "skip_special_tokens", "sampling_params.skip_special_tokens", True
+        ),
+        "no_stop_trim": _flag(raw, "no_stop_trim", "sampling_params.no_stop_trim", False),
+    }
+
+
+def _sampling(
+    raw: Any, prompt_len: int, vocab_size: int, max_seq_len: int
+) -> tuple[SamplingParams, dict[str, Any]]:
+    """Engine sampling params, plus the output options that ride in sglang's
+    ``sampling_params`` (stream_interval, skip_special_tokens, no_stop_trim)."""
+    raw = _sampling_keys(raw)
+    max_new = _max_new_tokens(raw, prompt_len, max_seq_len)
     temperature = raw.get("temperature")
     temperature = (
         1.0 if temperature is None else _number(temperature, "sampling_params.temperature")
@@ -200,16 +224,6 @@ def _sampling(
     seed = raw.get("sampling_seed")
     if seed is not None:
         seed = _integer(seed, "sampling_params.sampling_seed", 0)
-    interval = raw.get("stream_interval")
-    options = {
-        "stream_interval": 1
-        if interval is None
-        else _integer(interval, "sampling_params.stream_interval", 1),
-        "skip_special_tokens": _flag(
-            raw, "skip_special_tokens", "sampling_params.skip_special_tokens", True
-        ),
-        "no_stop_trim": _flag(raw, "no_stop_trim", "sampling_params.no_stop_trim", False),
-    }
     params = SamplingParams(
         max_new_tokens=max_new,
         temperature=temperature,
@@ -219,7 +233,7 @@ def _sampling(
         seed=seed,
         stop_token_ids=list(stop),
     )
-    return params, options
+    return params, _output_options(raw)
 
 
 def parse_generate(

@@ -14,7 +14,8 @@ holding a port or a GPU; the launcher restarts the generator, which launches new
 ``write_weights_dir`` writes the format every server loads with
 ``/update_weights_from_disk``: a Hugging Face directory (safetensors, config, generation
 config, tokenizer), written under a temporary name and renamed into place, so a server
-never reads half a version.
+never reads half a version. ``read_weights_dir`` reads its tensors back (the embedded
+engine and its server).
 """
 
 from __future__ import annotations
@@ -36,10 +37,14 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from safetensors.torch import load_file
 
 
 @dataclass
 class RemoteEngineConfig:
+    """The remote engine's servers (``engine.remote.*``): launch or attach, capacity,
+    weight updates."""
+
     urls: list[str] = field(default_factory=list)
     """Attach to these running servers (``http://host:port``); empty: launch ``num_servers``."""
     server: Literal["sglang", "embedded"] = "sglang"
@@ -64,6 +69,12 @@ class RemoteEngineConfig:
     """Longest silence on a request's stream, or wait for a control call (weight update)."""
     max_inflight: int = 64
     """Requests outstanding per server; more wait in the engine (``engine/waiting``)."""
+    max_seq_len: int = 0
+    """Longest prompt + completion (completions are cut to fit); launched servers get it
+    as their context length. 0: the model's ``max_position_embeddings``."""
+    threads: int = 0
+    """torch threads of each launched embedded server and of the generator process that
+    drives them; 0 leaves torch's default. sglang ignores it."""
     weight_update: Literal["disk", "nccl"] = "disk"
     """How new weights reach the servers: ``disk``, a versioned HF directory each server
     loads; ``nccl``, trainer rank 0 broadcasts into the servers' GPUs (GPU and sglang only)."""
@@ -110,13 +121,7 @@ class Server:
 
 
 def server_command(
-    cfg: RemoteEngineConfig,
-    model_path: str,
-    port: int,
-    index: int,
-    version: int,
-    max_seq_len: int,
-    threads: int,
+    cfg: RemoteEngineConfig, model_path: str, port: int, index: int, version: int
 ) -> list[str]:
     """The command line that launches server ``index`` on ``port``."""
     # --weight-version: responses then carry meta_info.weight_version = the asyncrl version.
@@ -140,8 +145,8 @@ def server_command(
         ]
         if cfg.mem_fraction_static:
             cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
-        if max_seq_len:
-            cmd += ["--context-length", str(max_seq_len)]
+        if cfg.max_seq_len:
+            cmd += ["--context-length", str(cfg.max_seq_len)]
     else:
         cmd = [
             sys.executable,
@@ -158,10 +163,10 @@ def server_command(
             "--weight-version",
             str(version),
         ]
-        if max_seq_len:
-            cmd += ["--max-seq-len", str(max_seq_len)]
-        if threads:
-            cmd += ["--threads", str(threads)]
+        if cfg.max_seq_len:
+            cmd += ["--max-seq-len", str(cfg.max_seq_len)]
+        if cfg.threads:
+            cmd += ["--threads", str(cfg.threads)]
     return cmd + list(cfg.extra_args)
 
 
@@ -184,8 +189,6 @@ def launch_servers(
     log_dir: Path,
     name: str,
     version: int = 0,
-    max_seq_len: int = 0,
-    threads: int = 0,
 ) -> list[Server]:
     """Start ``cfg.num_servers`` servers (each in its own process group, logging to
     ``log_dir/NAME_serverI.log``); call from the main thread (the death signal follows the
@@ -194,7 +197,7 @@ def launch_servers(
     servers = []
     for i in range(cfg.num_servers):
         port = cfg.base_port + i if cfg.base_port else free_port()
-        cmd = server_command(cfg, model_path, port, i, version, max_seq_len, threads)
+        cmd = server_command(cfg, model_path, port, i, version)
         log_path = log_dir / f"{name}_server{i}.log"
         with open(log_path, "ab") as log:
             log.write(f"$ {' '.join(cmd)}\n".encode())
@@ -207,6 +210,23 @@ def launch_servers(
                 preexec_fn=_die_with_parent,
             )
         servers.append(Server(f"http://127.0.0.1:{port}", proc, log_path))
+    return servers
+
+
+def start_servers(
+    cfg: RemoteEngineConfig, model_path: str, log_dir: Path, name: str, version: int
+) -> list[Server]:
+    """Attach to ``cfg.urls``, or launch the servers (see ``launch_servers``); either way
+    return once every one is healthy, stopping what was launched if one is not."""
+    if cfg.urls:
+        servers = [Server(url.rstrip("/")) for url in cfg.urls]
+    else:
+        servers = launch_servers(cfg, model_path, log_dir, name, version)
+    try:
+        wait_healthy(servers, cfg.startup_timeout_s)
+    except BaseException:
+        stop_servers(servers)
+        raise
     return servers
 
 
@@ -285,3 +305,14 @@ def write_weights_dir(state: Mapping[str, torch.Tensor], model_path: str, out_di
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
     return out_dir
+
+
+def read_weights_dir(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the ``*.safetensors`` files in an HF model directory, on the CPU."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {str(path)!r}")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file), device="cpu"))
+    return state

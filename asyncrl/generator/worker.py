@@ -1,13 +1,14 @@
 """The generator process: one engine, fed by leases from the buffer, streaming chunks back.
 
-It asks the buffer for as many leases as its engine has free slots, submits each as an
-engine request (prompt plus any prefix an earlier holder generated), steps the engine,
-and flushes each lease's new tokens as a ``Chunk`` every ``chunk_tokens`` tokens or
-``chunk_ms`` milliseconds, whichever comes first. It sends heartbeats with its weights
+It drives its engine through the ``Engine`` protocol only (``asyncrl.interfaces``): it
+asks the buffer for as many leases as the engine's status shows free slots, submits each
+as an engine request (prompt plus any prefix an earlier holder generated), steps the
+engine, and flushes each lease's new tokens as a ``Chunk`` every ``chunk_tokens`` tokens
+or ``chunk_ms`` milliseconds, whichever comes first. It sends heartbeats with its weights
 version, and a background thread receives weight updates from the trainer's PUB socket
-and hands them to the engine's staged flip, so decoding never waits for a transfer. With
-``engine.backend="remote"`` the engine drives inference servers over HTTP
-(``asyncrl.engine.remote``) and the updates are directories on disk it has them load.
+(tensors, or a directory on disk) and hands them to ``stage_weights``, so decoding never
+waits for a transfer. ``engine.backend`` picks the engine: the embedded one in this
+process, or ``remote``, inference servers over HTTP (``asyncrl.engine.remote``).
 It measures itself (``GeneratorStats``: tokens/s, idle fraction, step times during weight
 updates against steady ones) into ``RUN_DIR/metrics.jsonl`` and TensorBoard as process
 ``generator_<id>`` every ``metrics.interval_s``, and into ``generator_<id>_summary.json``
@@ -22,22 +23,22 @@ import argparse
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from pathlib import Path
 
 import zmq
 
 from asyncrl.config import load_json
-from asyncrl.engine.base import Engine, Request, SamplingParams, StepOutput
+from asyncrl.engine.base import StepOutput
 from asyncrl.engine.embedded import EmbeddedEngine
-from asyncrl.engine.remote import generator_engine
+from asyncrl.engine.remote import RemoteEngine
 from asyncrl.generator.stats import GeneratorStats
+from asyncrl.interfaces import Engine
 from asyncrl.metrics import MetricsLogger
-from asyncrl.rollout import RolloutConfig
-from asyncrl.transport import client_socket, read_endpoints
+from asyncrl.rollout import PendingLease, RolloutConfig, lease_request, record_tokens
+from asyncrl.transport import client_socket, read_endpoints, write_endpoints
 from asyncrl.wire import (
     Chunk,
     Heartbeat,
-    Lease,
     LeaseGrant,
     LeaseRequest,
     WeightsAnnounce,
@@ -46,29 +47,6 @@ from asyncrl.wire import (
     decode_tensors,
     encode,
 )
-
-
-@dataclass
-class PendingLease:
-    """Tokens of one lease generated and not yet sent."""
-
-    lease: Lease
-    seq: int = 0
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    last_flush: float = 0.0
-
-
-def record_tokens(pending: dict, out: StepOutput) -> list[tuple[PendingLease, str]]:
-    """Append an engine step's tokens (each with its logprob and version) to their leases;
-    remove the finished ones from ``pending`` and return them with their finish reason."""
-    for t in out.tokens:
-        p = pending[t.request_id]
-        p.token_ids.append(t.token_id)
-        p.logprobs.append(t.logprob)
-        p.versions.append(t.version)
-    return [(pending.pop(f.request_id), f.reason) for f in out.finished]
 
 
 class GeneratorWorker:
@@ -124,12 +102,12 @@ class GeneratorWorker:
 
     # ---- leases --------------------------------------------------------------------
     def _busy(self) -> bool:
-        stats = self.engine.stats()
-        return stats["engine/running"] + stats["engine/waiting"] > 0
+        status = self.engine.status()
+        return status.running + status.waiting > 0
 
     def _ask_for_leases(self) -> None:
-        stats = self.engine.stats()
-        free = int(stats["engine/free_slots"] - stats["engine/waiting"])
+        status = self.engine.status()
+        free = status.free_slots - status.waiting
         # Asked again after a while without an answer: a buffer that died and restarted
         # never saw the request (a repeat only replaces the first one there).
         again = self.asked and time.monotonic() - self.asked > 5 * self.cfg.transport.heartbeat_s
@@ -149,22 +127,13 @@ class GeneratorWorker:
             return
         now = time.time()
         for lease in msg.leases:
-            s = lease.sampling
-            params = SamplingParams(
-                max_new_tokens=max(1, s.max_new_tokens - len(lease.prefix_ids)),
-                temperature=s.temperature,
-                top_p=s.top_p,
-                top_k=s.top_k,
-                seed=s.seed,
-                stop_token_ids=list(s.stop_token_ids),
-            )
-            self.engine.submit(Request(lease.lease_id, lease.prompt_ids + lease.prefix_ids, params))
+            self.engine.submit(lease_request(lease))
             self.pending[lease.lease_id] = PendingLease(lease, last_flush=now)
 
     # ---- decoding ------------------------------------------------------------------
     def _step(self) -> None:
-        stats = self.engine.stats()
-        before, prefilled = int(stats["engine/version"]), stats.get("engine/prefill_tokens")
+        status = self.engine.status()
+        before, prefilled = status.version, status.prefill_tokens
         updating = self.stats.updating(before)
         start = time.perf_counter()
         out = self.engine.step()
@@ -175,7 +144,7 @@ class GeneratorWorker:
         # Prompt tokens this step prefilled (engines that count them): the simulator's
         # decode-cost calibration separates prefill from decode with it.
         if prefilled is not None:
-            prefilled = int(self.engine.stats()["engine/prefill_tokens"] - prefilled)
+            prefilled = self.engine.status().prefill_tokens - prefilled
         self.stats.on_step(seconds, len(out.tokens), during_update, prefilled)
         self._record(out, time.time())
 
@@ -183,20 +152,19 @@ class GeneratorWorker:
     def _end_turn(self, turn_start: float, stepped: bool) -> float:
         """Account one loop turn (idle unless it stepped) and any weights staged or
         flipped during it; returns the next turn's start."""
-        stats = self.engine.stats()
-        staged = int(stats.get("engine/staged_version", -1))  # engines without staging: -1
-        self.stats.observe_weights(int(stats["engine/version"]), staged)
+        status = self.engine.status()
+        self.stats.observe_weights(status.version, status.staged_version)
         turn_end = time.perf_counter()
         self.stats.on_loop(turn_end - turn_start, stepped)
         return turn_end
 
     def _log_window(self) -> None:
-        version = int(self.engine.stats()["engine/version"])
+        version = self.engine.status().version
         self.metrics.log(version, self.stats.window(version))
 
     def _close_metrics(self) -> None:
         self._log_window()
-        summary = self.stats.summary(int(self.engine.stats()["engine/version"]))
+        summary = self.stats.summary(self.engine.status().version)
         self.metrics.write_summary(
             {"worker_id": self.worker_id, **summary},
             name=f"generator_{self.worker_id}_summary.json",
@@ -204,7 +172,7 @@ class GeneratorWorker:
         self.metrics.close()
 
     # ---- chunks --------------------------------------------------------------------
-    def _record(self, out, now: float) -> None:
+    def _record(self, out: StepOutput, now: float) -> None:
         for p, reason in record_tokens(self.pending, out):
             self._send(p, now, finished=True, reason=reason)
 
@@ -233,14 +201,14 @@ class GeneratorWorker:
         p.token_ids, p.logprobs, p.versions = [], [], []
 
     def _heartbeat(self) -> None:
-        stats = self.engine.stats()
+        status = self.engine.status()
         bad = sum(self.decoder.errors.values()) + sum(self.weights_decoder.errors.values())
         beat = Heartbeat(
             run_id=self.cfg.run_id,
             worker_id=self.worker_id,
             kind="generator",
-            version=int(stats["engine/version"]),
-            running=int(stats["engine/running"]),
+            version=status.version,
+            running=status.running,
             counters={"tokens_sent": float(self.tokens_sent), "bad_frames": float(bad)},
         )
         self.push.send(encode(beat))
@@ -283,21 +251,38 @@ class GeneratorWorker:
         # version; from the same trainer, only newer versions (republishes are for late
         # joiners).
         same = announce.lineage == self.lineage
-        if same and announce.version <= int(self.engine.stats()["engine/version"]):
+        if same and announce.version <= self.engine.status().version:
             self.stats.weights_dropped()
             return
         try:
-            if isinstance(announce, WeightsOnDisk):  # remote engines: servers load it
-                self.engine.load_from_disk(announce.path, announce.version)
+            if isinstance(announce, WeightsOnDisk):  # a directory the engine reads
+                weights = announce.path
             else:
-                tensors = decode_tensors(announce, [f.buffer for f in frames[1:]])
-                self.engine.stage_weights(tensors, announce.version)
+                weights = decode_tensors(announce, [f.buffer for f in frames[1:]])
+            self.engine.stage_weights(weights, announce.version)
         except Exception as e:  # a bad update is counted and dropped, never fatal
             decoder.count("frames", str(e))
             self.stats.weights_dropped()
             return
         self.lineage = announce.lineage
         self.stats.weights_offered(announce.version, arrived)
+
+
+def make_engine(cfg: RolloutConfig, model_path: str, worker_id: str) -> Engine:
+    """The generator's engine, as ``cfg.engine.backend`` selects. A remote engine's server
+    logs go to ``RUN_DIR/logs/generator_ID_serverI.log``, and their URLs to
+    ``RUN_DIR/endpoints/servers-ID.json`` (read by the trainer's NCCL publisher)."""
+    if cfg.engine.backend != "remote":
+        return EmbeddedEngine(model_path, cfg.engine.embedded)
+    engine = RemoteEngine(
+        model_path,
+        cfg.engine.remote,
+        log_dir=Path(cfg.run_dir) / "logs",
+        name=f"generator_{worker_id}",
+    )
+    urls = {str(i): url for i, url in enumerate(engine.urls)}
+    write_endpoints(cfg.run_dir, f"servers-{worker_id}", urls)
+    return engine
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -309,11 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     cfg: RolloutConfig = load_json(args.config)
-    model = args.model or cfg.model.path
-    if cfg.engine.backend == "remote":
-        engine = generator_engine(cfg, model, args.worker_id)
-    else:
-        engine = EmbeddedEngine(model, cfg.engine)
+    engine = make_engine(cfg, args.model or cfg.model.path, args.worker_id)
     try:
         worker = GeneratorWorker(cfg, args.worker_id, engine)
         signal.signal(signal.SIGTERM, lambda *_: worker.stop())

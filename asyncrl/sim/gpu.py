@@ -178,6 +178,37 @@ def gpu_params(w: Workload, gpu: GpuSpec, trainer_gpus: int, generator_nodes: in
     )
 
 
+def point_config(
+    w: Workload,
+    slots: int,
+    engines: int,
+    max_staleness: int | None,
+    colocated: bool,
+    steps: int,
+) -> SimConfig:
+    """The simulated job of one sweep point: all ``engines`` as one generator's replicas,
+    one trainer rank, no core limit, stopped after ``steps`` trainer steps."""
+    return SimConfig(
+        placement="colocated" if colocated else "async",
+        num_generators=1,
+        engine_slots=slots,
+        engine_replicas=max(1, engines),
+        engine_threads=1,
+        max_prefill_tokens=max(16384, 4 * w.prompt_tokens),
+        trainer_ranks=1,
+        trainer_threads=1,
+        prompts_per_batch=w.prompts_per_batch,
+        samples_per_prompt=w.samples_per_prompt,
+        max_staleness=0 if colocated else max_staleness,
+        dynamic_sampling=True,
+        max_new_tokens=w.response_max,
+        eval_every=0,
+        cores=1 << 30,
+        duration_s=1e7,
+        max_steps=steps,
+    )
+
+
 def sweep_point(
     w: Workload,
     gpu: GpuSpec,
@@ -197,25 +228,7 @@ def sweep_point(
     train_on = total_gpus if colocated else trainer_gpus
     nodes = max(1, math.ceil(gen_gpus / gpu.gpus_per_node))
     params = gpu_params(w, gpu, train_on, nodes)
-    cfg = SimConfig(
-        placement="colocated" if colocated else "async",
-        num_generators=1,
-        engine_slots=slots,
-        engine_replicas=max(1, engines),
-        engine_threads=1,
-        max_prefill_tokens=max(16384, 4 * w.prompt_tokens),
-        trainer_ranks=1,
-        trainer_threads=1,
-        prompts_per_batch=w.prompts_per_batch,
-        samples_per_prompt=w.samples_per_prompt,
-        max_staleness=0 if colocated else max_staleness,
-        dynamic_sampling=True,
-        max_new_tokens=w.response_max,
-        eval_every=0,
-        cores=1 << 30,
-        duration_s=1e7,
-        max_steps=steps,
-    )
+    cfg = point_config(w, slots, engines, max_staleness, colocated, steps)
     if colocated:  # weights stay in the process: no transfer, no publish
         params = dataclasses.replace(params, publish_s=0.0, weight_sync_s=0.0)
     sim = run_simulation(params, cfg)

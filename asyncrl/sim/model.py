@@ -29,12 +29,12 @@ class SimConfig:
     num_generators: int = 1
     """Generator processes (async placement)."""
     engine_slots: int = 64
-    """Continuous-batching slots per generator (``engine.max_slots``)."""
+    """Continuous-batching slots per generator (``engine.embedded.max_slots``)."""
     engine_replicas: int = 1
     """Identical engines per generator, simulated as one with all their slots whose step
     costs one replica's share (the sweeps' fluid approximation of many GPU engines)."""
     engine_threads: int = 1
-    """Torch threads per generator (``engine.threads``; 0 means every core)."""
+    """Torch threads per generator (``engine.embedded.threads``; 0 means every core)."""
     max_prefill_tokens: int = 2048
     """Prompt tokens an engine admits in one step."""
     flip_policy: Literal["recompute", "keep"] = "recompute"
@@ -158,6 +158,7 @@ def config_from_run(run_dir: str | Path, **overrides: Any) -> SimConfig:
     run_dir = Path(run_dir)
     c = json.loads((run_dir / "config.json").read_text())
     b, e, t = c["buffer"], c["engine"], c["trainer"]
+    e = e.get("embedded", e)  # the embedded engine's fields (flat in older run directories)
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     cfg = SimConfig(

@@ -3,8 +3,8 @@ cores, the synchronous hybrid-engine baseline (veRL style) that the asynchronous
 placement is compared against.
 
 ``ColocatedRollout`` stands in, inside the trainer process, for both the buffer process
-(it answers ``request_batch`` / ``announce_version`` like ``BufferClient``) and the
-generators (it takes the published weights like ``WeightPublisher``), so the RL step in
+(a ``BatchSource``, like ``BufferClient``) and the generators (a ``WeightPublisher``,
+like ``ZmqWeightPublisher``; both Protocols in ``asyncrl.interfaces``), so the RL step in
 ``asyncrl.stages.rl`` runs unchanged. It owns an ``EmbeddedEngine`` and the buffer's own
 state machine (``RolloutBuffer``) with the buffer's ``Scoring``: leases, groups, dynamic
 sampling, staleness accounting and rewards are the same code as in the async placement;
@@ -30,16 +30,16 @@ from asyncrl.buffer.core import RolloutBuffer
 from asyncrl.buffer.scoring import Scoring, buffer_counters
 from asyncrl.engine.base import Request, SamplingParams, StepOutput
 from asyncrl.engine.embedded import EmbeddedEngine
-from asyncrl.generator.worker import PendingLease, record_tokens
+from asyncrl.interfaces import Engine
 from asyncrl.metrics import MetricsLogger
-from asyncrl.rollout import TaskPrompts
+from asyncrl.rollout import PendingLease, TaskPrompts, record_tokens
 from asyncrl.stages.common import threads_for
 from asyncrl.tasks import build_task
 from asyncrl.trainer.dist import DistInfo
 from asyncrl.wire import Batch, Chunk
 
 if TYPE_CHECKING:
-    from asyncrl.stages.rl import RLExperiment
+    from asyncrl.stages.rl_config import RLExperiment
 
 WORKER_ID = "colocated"
 """The engine's name in the buffer's lease bookkeeping."""
@@ -85,8 +85,8 @@ class _Timing:
 
 
 class ColocatedRollout:
-    """``BufferClient`` and ``WeightPublisher`` in one object, with no process behind it:
-    ``request_batch``, ``announce_version``, ``publish``, ``close``."""
+    """A ``BatchSource`` and a ``WeightPublisher`` (``asyncrl.interfaces``) in one object,
+    with no process behind it."""
 
     def __init__(self, cfg: RLExperiment, info: DistInfo) -> None:
         if info.world_size != 1:
@@ -95,11 +95,11 @@ class ColocatedRollout:
         rollout = cfg.rollout()
         # Both phases share the process's threads; the engine must not pin its own count.
         torch.set_num_threads(colocated_threads(cfg))
-        engine_cfg = replace(cfg.engine, threads=0, device=info.device.type)
-        self.engine = EmbeddedEngine(cfg.model.path, engine_cfg)
+        engine_cfg = replace(cfg.engine.embedded, threads=0, device=info.device.type)
+        self.engine: Engine = EmbeddedEngine(cfg.model.path, engine_cfg)
         prompts = TaskPrompts(build_task(cfg.task), cfg.model.path, cfg.seed)
         self.scoring = Scoring(rollout)
-        self.buffer = RolloutBuffer(rollout.buffer, cfg.run_id, prompts, None, cfg.sampling.spec())
+        self.buffer = RolloutBuffer(rollout.buffer, cfg.run_id, prompts, cfg.sampling.spec())
         self.pending: dict[str, PendingLease] = {}
         self.metrics = MetricsLogger(
             cfg.run_dir, WORKER_ID, replace(cfg.metrics, progress_bar=False)
@@ -108,7 +108,7 @@ class ColocatedRollout:
         self.served_at: float | None = None  # when the last batch went to the trainer
         self.closed = False
 
-    # ---- BufferClient's side ---------------------------------------------------------
+    # ---- the BatchSource ---------------------------------------------------------------
     def request_batch(
         self,
         step: int,
@@ -123,8 +123,8 @@ class ColocatedRollout:
         engine is this one, which always has the newest weights, so there is nothing to
         republish while waiting."""
         start = time.perf_counter()
-        tokens_before = self.engine.counters.tokens
-        while (samples := self.buffer.batch_for(step, self.rank, world_size)) is None:
+        tokens_before = self.engine.status().tokens
+        while (samples := self.buffer.batches.batch_for(step, self.rank, world_size)) is None:
             leased = self._lease()
             busy = self._busy()
             if busy:
@@ -134,26 +134,26 @@ class ColocatedRollout:
                 if not self.scoring.pending():
                     raise RuntimeError(
                         f"nothing to generate and no batch for step {step}: the buffer is at "
-                        f"version {self.buffer.version} (was version {step} announced?)"
+                        f"version {self.buffer.state.version} (was version {step} announced?)"
                     )
                 time.sleep(0.001)  # rewards are being scored in worker processes
             if time.perf_counter() - start > timeout_s:
                 raise TimeoutError(f"no batch for step {step} after {timeout_s:.0f} s")
         self.served_at = time.perf_counter()
         self.step_timing.generate_s += self.served_at - start
-        self.step_timing.tokens += self.engine.counters.tokens - tokens_before
+        self.step_timing.tokens += self.engine.status().tokens - tokens_before
         return Batch(run_id=self.run_id, step=step, rank=self.rank, samples=samples)
 
     def announce_version(self, version: int, resumed: bool = False) -> None:
-        if version > 0 and self.buffer.prompt_position == 0:
+        if version > 0 and self.buffer.state.prompt_position == 0:
             # Resumed from a checkpoint: go on as if the earlier steps had been served.
-            self.buffer.start_at(version)
-        self.buffer.set_version(version)
+            self.buffer.batches.start_at(version)
+        self.buffer.batches.set_version(version)
 
     def announce_checkpoint(self, oldest_kept_step: int) -> None:
         """Nothing to keep: this process's buffer dies with the trainer it serves."""
 
-    # ---- WeightPublisher's side ------------------------------------------------------
+    # ---- the WeightPublisher -----------------------------------------------------------
     def publish(self, version: int, state: dict[str, torch.Tensor]) -> float:
         """Flip the engine to ``version`` now (it is idle while the trainer trains); the
         engine adopts the tensors of ``state``. Returns the seconds it took."""
@@ -161,7 +161,7 @@ class ColocatedRollout:
         if self.served_at is not None:  # the trainer's share of this step
             self.step_timing.train_s += start - self.served_at
             self.served_at = None
-        self.engine.load_weights(state, version)
+        self.engine.stage_weights(state, version, wait=True)
         took = time.perf_counter() - start
         self.step_timing.load_weights_s += took
         if self.step_timing.generate_s:  # not the load of a resumed checkpoint
@@ -173,8 +173,11 @@ class ColocatedRollout:
         self.step_timing = _Timing()
         return took
 
+    def republish(self) -> None:
+        """Nothing to send again: the only engine is this one, and it has every version."""
+
     def close(self) -> None:
-        """Write the run's totals and the buffer counters; called by both of the RL loop's
+        """Write the run's totals and the buffer counters; the RL loop closes it in both
         roles, so the second call does nothing."""
         if self.closed:
             return
@@ -191,12 +194,14 @@ class ColocatedRollout:
 
     # ---- the engine ------------------------------------------------------------------
     def _busy(self) -> bool:
-        return bool(self.engine.running or self.engine.waiting)
+        status = self.engine.status()
+        return bool(status.running or status.waiting)
 
     def _lease(self) -> int:
         """Fill the engine's free slots with leases; how many it took."""
-        free = self.engine.free_slots - len(self.engine.waiting)
-        leases = self.buffer.lease(WORKER_ID, free, time.time()) if free > 0 else []
+        status = self.engine.status()
+        free = status.free_slots - status.waiting
+        leases = self.buffer.leases.lease(WORKER_ID, free, time.time()) if free > 0 else []
         for lease in leases:
             s = lease.sampling
             # A lease carries a prefix only when re-issued, which never happens in one
@@ -237,4 +242,4 @@ class ColocatedRollout:
             finished=True,
             finish_reason=reason,
         )
-        self.buffer.on_chunk(chunk, time.time())  # scores inline, or queues for the pool
+        self.buffer.leases.on_chunk(chunk, time.time())  # queued for scoring when finished

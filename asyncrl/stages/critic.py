@@ -3,10 +3,11 @@
 The critic is the policy's architecture with a scalar head (``ModelConfig.head="value"``,
 started from the policy's backbone with a zero head unless ``path`` names a trained value
 model), sharded by a second ``TrainerCore`` on the same trainer ranks with its own
-optimizer. Each RL step the stage calls, in order: ``values`` (V_t of the batch before
-any update, no grad), ``advantages`` (GAE on the reward of each trajectory's last
-completion token, optionally whitened with global statistics), the policy step, then
-``train`` (the clipped value loss). Its checkpoint is a companion of the policy's
+optimizer. Each RL step calls, in order (through ``CriticAdvantages`` in
+``asyncrl.stages.advantages``): ``values`` (V_t of the batch before any update, no
+grad), ``advantages`` (GAE on the reward of each trajectory's last completion token,
+optionally whitened with global statistics), the policy step, then ``train`` (the
+clipped value loss). Its checkpoint is a companion of the policy's
 (``step_N/critic/``). The math lives in ``asyncrl.algorithms``; this module is plumbing.
 """
 
@@ -115,6 +116,8 @@ class Critic:
         """``steps_per_batch`` steps of the clipped value loss toward ``returns``."""
         for _ in range(self.cfg.steps_per_batch):
             stats = self.core.train_step(micro, self._loss)
+            if not stats.skipped:  # the critic's step counts its optimizer steps
+                self.core.step += 1
         return {
             "critic/value_loss": stats.loss,
             "critic/grad_norm": stats.grad_norm,

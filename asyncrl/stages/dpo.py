@@ -40,6 +40,7 @@ class DPOExperiment(PairStageExperiment):
     name: str = "dpo"
     """Experiment name; names the default run directory."""
     loss: DPOLossConfig = field(default_factory=DPOLossConfig)
+    """The DPO loss: β, label smoothing, sigmoid or IPO, RPO's NLL term."""
     reference: Literal["precompute", "on_the_fly"] = "precompute"
     """When the reference's logprobs are computed: once for every pair at the start (then
     the reference model is freed), or for each batch (the model stays in memory)."""

@@ -66,10 +66,13 @@ class PairStageExperiment:
     data: PreferenceDataConfig = field(default_factory=lambda: PreferenceDataConfig("", ""))
     """The pair files, made from ``model.path`` on ``task`` when missing."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Trainer ranks, device, micro-batching and checkpoints."""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    """AdamW and the learning-rate schedule."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """``every_steps`` paces held-out evaluation of the pairs (and of the task, for DPO)."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Logging: TensorBoard, progress bar, cadence."""
     batch_size: int = 64
     """Pairs per optimizer step, over all ranks."""
     max_steps: int = 200
@@ -262,20 +265,15 @@ def train_on_pairs(
         return evaluate_pairs(core, micro, stage.loss, len(eval_ids)) | stage.evaluate(core)
 
     ckpt_root = Path(cfg.run_dir) / "checkpoints"
-    position, scalars = 0, {}
-    resume_from = latest_checkpoint(ckpt_root) if cfg.trainer.resume else None
-    if resume_from is not None:
-        position = load_checkpoint(core, resume_from)["position"]
-        log.progress(core.step)
-    elif cfg.eval.every_steps:
-        scalars = evaluate()
-        log.log(0, scalars)
+    position, scalars = resume_or_evaluate(cfg, core, ckpt_root, evaluate, log)
     initial, start, stop = dict(scalars), time.time(), False
     while core.step < cfg.max_steps and not stop:
         mine = my_pairs(data.batch(position, cfg.batch_size), data, info)
         position += cfg.batch_size
         micro = pair_micro_batches(stage.with_fields("train", mine), cfg.trainer, pad_id)
         stats = core.train_step(micro, stage.loss, local_normalizer=float(len(mine)))
+        if not stats.skipped:  # a non-finite step changed nothing: the next batch retakes it
+            core.step += 1
         scalars = {
             "train/loss": stats.loss,
             "train/grad_norm": stats.grad_norm,
@@ -303,3 +301,24 @@ def train_on_pairs(
     }
     log.write_summary(summary)
     return summary
+
+
+def resume_or_evaluate(
+    cfg: PairStageExperiment,
+    core: TrainerCore,
+    ckpt_root: Path,
+    evaluate: Callable[[], dict[str, float]],
+    log: MetricsLogger,
+) -> tuple[int, dict[str, float]]:
+    """Resume from the newest checkpoint, or evaluate the starting model (when evaluation
+    is on). Returns the data position and the starting evaluation ({} when resumed)."""
+    resume_from = latest_checkpoint(ckpt_root) if cfg.trainer.resume else None
+    if resume_from is not None:
+        position = load_checkpoint(core, resume_from)["position"]
+        log.progress(core.step)
+        return position, {}
+    scalars = {}
+    if cfg.eval.every_steps:
+        scalars = evaluate()
+        log.log(0, scalars)
+    return 0, scalars

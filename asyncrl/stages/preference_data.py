@@ -33,7 +33,7 @@ from transformers import PreTrainedTokenizerBase
 
 from asyncrl.buffer.reward_model import completion_text
 from asyncrl.engine.base import Request, SamplingParams
-from asyncrl.engine.embedded import EmbeddedEngine, EngineConfig
+from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from asyncrl.models import load_tokenizer
 from asyncrl.tasks import Example, Task, TaskConfig, build_task
 
@@ -242,7 +242,9 @@ def make_preference_data(policy_dir: str, task_cfg: TaskConfig, cfg: PreferenceD
     longest = max(
         len(tokenizer(ex.prompt, add_special_tokens=False)["input_ids"]) for ex in [*train, *evals]
     )
-    engine_cfg = EngineConfig(max_slots=cfg.max_slots, max_seq_len=longest + cfg.max_new_tokens)
+    engine_cfg = EmbeddedEngineConfig(
+        max_slots=cfg.max_slots, max_seq_len=longest + cfg.max_new_tokens
+    )
     engine = EmbeddedEngine(policy_dir, engine_cfg)
     stats: dict = {"policy": policy_dir, "task": task.name, "prompt_split": cfg.prompt_split}
     try:

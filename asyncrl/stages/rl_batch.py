@@ -1,12 +1,20 @@
-"""From a buffer batch to training inputs, for the RL step (DESIGN §6): group rewards to
-per-token advantages (or token rewards, for the critic), the logprobs recomputed with the
-step's starting weights (proximal, and the frozen reference's for a KL term), and the
-decoupled-PPO loss over a micro-batch."""
+"""From a buffer batch to training inputs, and the policy's update, for the RL step
+(DESIGN §6): group rewards to per-token advantages (or token rewards, for the critic),
+micro-batches, the logprobs of the step's starting weights (proximal) and of the frozen
+reference (for a KL term), the decoupled-PPO loss over a micro-batch, and the optimizer
+update(s) of a batch.
+
+The proximal logprobs are a value the step passes around, ``[rows, T]`` per micro-batch:
+computed by a separate no-grad pass (``proximal_logprobs``), or returned by the first
+update's loss from its own forward and handed to the later updates (``policy_updates``).
+Nothing here writes into a micro-batch but the preparation steps named for it
+(``add_reference_logprobs``, ``penalize_kl_in_rewards``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -19,8 +27,9 @@ from asyncrl.algorithms.advantages import (
 from asyncrl.algorithms.losses import PPOLossConfig, kl_estimate, ppo_loss, token_entropy
 from asyncrl.stages.critic import reward_on_last_token
 from asyncrl.trainer.core import StepStats, TrainerCore
+from asyncrl.trainer.dist import all_reduce_sum
 from asyncrl.trainer.logprobs import token_logprobs
-from asyncrl.trainer.packing import MicroBatch, TokenSequence
+from asyncrl.trainer.packing import MicroBatch, TokenSequence, make_micro_batches
 from asyncrl.wire import Sample
 
 
@@ -68,34 +77,52 @@ def group_sizes(samples: list[Sample]) -> list[int]:
     return [len(members) for members in by_group(samples)]
 
 
-def recompute_logprobs(
-    core: TrainerCore,
-    micro: list[MicroBatch],
-    reference: torch.nn.Module | None,
-    temperature: float,
-    proximal: bool = True,
-) -> None:
-    """Store ``proximal`` (the policy at the start of this step; when ``proximal``) and,
-    with a frozen ``reference``, ``reference`` logprobs ``[rows, T]`` in each micro-batch;
-    no grad."""
-    if not proximal and reference is None:
-        return
+def rl_micro_batches(samples: list[Sample], cfg, pad_id: int) -> list[MicroBatch]:
+    """This rank's samples as micro-batches under ``trainer.micro_batch_tokens``
+    (``cfg`` is an ``RLExperiment``); with ``trainer.share_prefix`` each group is a tree
+    over its prompt."""
+    return make_micro_batches(
+        to_sequences(samples, cfg),
+        cfg.trainer.micro_batch_tokens,
+        cfg.trainer.packing,
+        pad_id,
+        cfg.trainer.row_tokens,
+        group_sizes(samples),
+        cfg.trainer.share_prefix,
+    )
+
+
+def proximal_logprobs(
+    core: TrainerCore, micro: list[MicroBatch], temperature: float
+) -> list[torch.Tensor]:
+    """The policy's logprobs ``[rows, T]`` (on the CPU) for each micro-batch, with the
+    weights at the start of this step: a separate no-grad pass (``rl.proximal_pass``).
+    Every rank calls it (FSDP gathers weights)."""
+    out = []
     with torch.no_grad():
         for mb in core.align(micro):
             moved = mb.to(core.info.device)
-            if proximal:
-                mb.fields["proximal"] = token_logprobs(
-                    core.forward(moved), moved.input_ids, temperature
-                ).cpu()
-            if reference is not None:
-                logits = reference(
-                    input_ids=moved.input_ids,
-                    position_ids=moved.position_ids,
-                    attention_mask=moved.attention_mask,
-                    use_cache=False,
-                ).logits
-                logits = moved.align_logits(logits)
-                mb.fields["reference"] = token_logprobs(logits, moved.input_ids, temperature).cpu()
+            out.append(token_logprobs(core.forward(moved), moved.input_ids, temperature).cpu())
+    return out[: len(micro)]
+
+
+def add_reference_logprobs(
+    reference: torch.nn.Module, micro: list[MicroBatch], device: torch.device, temperature: float
+) -> None:
+    """Store the frozen reference's logprobs ``[rows, T]`` as each micro-batch's
+    ``reference`` field (the KL term's, in the loss or in the rewards); no grad. The
+    reference is unsharded, so each rank computes only its own micro-batches."""
+    with torch.no_grad():
+        for mb in micro:
+            moved = mb.to(device)
+            logits = reference(
+                input_ids=moved.input_ids,
+                position_ids=moved.position_ids,
+                attention_mask=moved.attention_mask,
+                use_cache=False,
+            ).logits
+            logits = moved.align_logits(logits)
+            mb.fields["reference"] = token_logprobs(logits, moved.input_ids, temperature).cpu()
 
 
 def penalize_kl_in_rewards(micro: list[MicroBatch], cfg: PPOLossConfig) -> None:
@@ -110,26 +137,32 @@ def penalize_kl_in_rewards(micro: list[MicroBatch], cfg: PPOLossConfig) -> None:
         f["rewards"] = kl_penalized_rewards(f["rewards"], kl, mb.loss_mask, cfg.kl_coef)
 
 
-def policy_loss(cfg, temperature: float) -> Callable:
-    """The trainer core's ``loss_fn`` for the policy: decoupled PPO on a micro-batch.
+PolicyLoss = Callable[
+    [torch.Tensor, MicroBatch, torch.Tensor | None],
+    tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None],
+]
+"""``loss_fn(logits [rows, T, V], mb, proximal [rows, T] | None) -> (loss_sum [],
+metric_sums, proximal [rows, T] | None)``: the trainer core's ``LossFn`` for the policy,
+with the proximal logprobs as its input and its output."""
 
-    Without a stored ``proximal`` field the proximal logprobs are this forward's own,
-    detached: with one update per batch, the weights of the step's forward are the
-    weights at the start of the step, the proximal policy's (``RLConfig.proximal_pass``).
-    They are left in the micro-batch's fields, where ``policy_updates`` picks them up for
-    its later updates.
+
+def policy_loss(cfg, temperature: float) -> PolicyLoss:
+    """Decoupled PPO on a micro-batch (``cfg`` is an ``RLExperiment``).
+
+    ``proximal`` None: the proximal logprobs are this forward's own, detached. With the
+    step's first update, the weights of this forward are the weights at the start of the
+    step, the proximal policy's (``RLConfig.proximal_pass``). The loss returns the
+    proximal logprobs it used, for the later updates of the same batch.
     """
 
-    def loss_fn(logits: torch.Tensor, mb: MicroBatch):
+    def loss_fn(logits: torch.Tensor, mb: MicroBatch, proximal: torch.Tensor | None):
         f = mb.fields
         if "behavior" not in f:  # padding micro-batch of a rank that got no samples
-            return logits.sum() * 0.0, {}
+            return logits.sum() * 0.0, {}, None
         logp = token_logprobs(logits, mb.input_ids, temperature)
-        if "proximal" not in f:  # this forward's own
-            f["proximal"] = logp.detach()
-        proximal = f["proximal"]
+        proximal = logp.detach() if proximal is None else proximal.to(logp.device)
         entropy = token_entropy(logits, temperature) if cfg.rl.loss.entropy_coef else None
-        return ppo_loss(
+        loss_sum, metrics = ppo_loss(
             logp,
             proximal,
             f["behavior"],
@@ -139,41 +172,36 @@ def policy_loss(cfg, temperature: float) -> Callable:
             ref_logprobs=f.get("reference"),
             entropy=entropy,
         )
+        return loss_sum, metrics, proximal
 
     return loss_fn
 
 
 def policy_updates(
-    core: TrainerCore, micro: list[MicroBatch], loss_fn: Callable, epochs: int
+    core: TrainerCore,
+    micro: list[MicroBatch],
+    loss_fn: PolicyLoss,
+    epochs: int,
+    proximal: list[torch.Tensor] | None = None,
 ) -> StepStats:
     """``epochs`` optimizer updates of the policy, each over the whole batch (PPO's
-    epochs, GRPO's μ); the step, which is the version, advances once, also when an update
-    was non-finite and skipped (a batch, a step and a version stay one to one).
+    epochs, GRPO's μ), every one against the proximal policy of the step's start. The
+    caller advances the step (the version), once per batch.
 
-    Every update is against the proximal policy of the step's start. Without stored
-    ``proximal`` logprobs the first update's forward, detached, gives them (its weights
-    are the starting ones) and they are kept in ``micro`` for the later updates: the
-    same as a separate no-grad pass, a forward cheaper (a test checks both).
-    Returns the first update's loss, gradient norm and metrics (the quantities of a
-    single update); with more, the last update's clip fraction and proximal KL as
+    ``proximal``: one ``[rows, T]`` per micro-batch, from a separate pass; None: the first
+    update's forward, detached, gives them (its weights are the starting ones) and the
+    later updates get those: the same as a separate pass, a forward cheaper (a test
+    checks both). Returns the first update's loss, gradient norm and metrics (the
+    quantities of a single update) and, as ``outputs``, the proximal logprobs used; with
+    more updates, the last one's clip fraction and proximal KL as
     ``train/last_update_*`` (how far the later updates moved); the time of all.
     """
-    step, kept = core.step, []
-
-    def keep_proximal(logits: torch.Tensor, mb: MicroBatch):
-        out = loss_fn(logits, mb)  # sets mb.fields["proximal"] on a real micro-batch
-        if "proximal" in mb.fields:
-            kept.append(mb.fields["proximal"].cpu())
-        return out
-
-    stats = [core.train_step(micro, keep_proximal if epochs > 1 else loss_fn)]
-    if epochs > 1:  # the core calls the loss once per micro-batch, in order
-        assert len(kept) == len(micro), "a micro-batch without its proximal logprobs"
-        for mb, proximal in zip(micro, kept):
-            mb.fields["proximal"] = proximal
-    stats += [core.train_step(micro, loss_fn) for _ in range(epochs - 1)]
-    core.step = step + 1
-    first, last = stats[0], stats[-1]
+    inputs: list[Any] = [None] * len(micro) if proximal is None else proximal
+    first = core.train_step(micro, loss_fn, loss_inputs=inputs)
+    assert len(first.outputs) == len(micro), "a micro-batch without its proximal logprobs"
+    stats = [first]
+    stats += [core.train_step(micro, loss_fn, loss_inputs=first.outputs) for _ in range(epochs - 1)]
+    last = stats[-1]
     metrics = dict(first.metrics)
     if epochs > 1:
         for key in ("clip_fraction", "approx_kl_proximal"):
@@ -182,3 +210,13 @@ def policy_updates(
     seconds = sum(s.seconds for s in stats)
     skipped = all(s.skipped for s in stats)
     return replace(first, seconds=seconds, skipped=skipped, metrics=metrics)
+
+
+def frozen_policy_stats(core: TrainerCore, micro: list[MicroBatch]) -> StepStats:
+    """The stats of a step in which the policy keeps its weights (the critic's warmup):
+    no forward, no optimizer step; the batch's tokens still count."""
+    tokens = all_reduce_sum([float(sum(mb.num_tokens for mb in micro))], core.info.device)[0]
+    lr = core.scheduler.get_last_lr()[0]
+    return StepStats(
+        loss=0.0, grad_norm=0.0, lr=lr, tokens=int(tokens), seconds=0.0, skipped=False, metrics={}
+    )

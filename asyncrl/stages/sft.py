@@ -15,6 +15,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import ClassVar
 
+import torch
+
 from asyncrl.algorithms.losses import sft_loss
 from asyncrl.balance import split_balanced
 from asyncrl.evaluation import (
@@ -34,9 +36,9 @@ from asyncrl.trainer.checkpoint import (
     save_checkpoint,
 )
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
-from asyncrl.trainer.core import TrainerCore, barrier
+from asyncrl.trainer.core import StepStats, TrainerCore, barrier
 from asyncrl.trainer.dist import DistInfo
-from asyncrl.trainer.packing import TokenSequence, make_micro_batches
+from asyncrl.trainer.packing import MicroBatch, TokenSequence, make_micro_batches
 
 
 @dataclass
@@ -60,12 +62,19 @@ class SFTExperiment:
     time_limit_s: float = 0.0
     """Stop after this many seconds of training (0: no limit); the run still exports."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The model to fine-tune (a tiny one is built when asked for and missing)."""
     task: TaskConfig = field(default_factory=TaskConfig)
+    """The (prompt, completion) examples: train split to learn, eval split to measure."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Trainer ranks, device, micro-batching and checkpoints."""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    """AdamW and the learning-rate schedule."""
     sft: SFTConfig = field(default_factory=SFTConfig)
+    """Batch size, steps and export directory of the stage."""
     eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out greedy accuracy: how often and on how many examples."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Logging: TensorBoard, progress bar, cadence."""
 
     entry: ClassVar[str] = "asyncrl.stages.sft"
     """Module whose ``main`` runs one trainer rank of this stage."""
@@ -152,7 +161,24 @@ class Evaluator:
         return result
 
 
+def nll_loss(logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict]:
+    """The trainer core's ``LossFn`` for SFT: the summed NLL of the completion tokens
+    (``logits [rows, T, V]``, ``mb.loss_mask [rows, T]``)."""
+    return sft_loss(logits, mb.input_ids, mb.loss_mask)
+
+
+def my_micro_batches(
+    batch: list[TokenSequence], cfg: TrainerConfig, info: DistInfo, pad_id: int
+) -> list[MicroBatch]:
+    """This rank's token-balanced share of a global batch, packed into micro-batches."""
+    mine = split_balanced([len(s) for s in batch], info.world_size)[info.rank]
+    return make_micro_batches(
+        [batch[i] for i in mine], cfg.micro_batch_tokens, cfg.packing, pad_id, cfg.row_tokens
+    )
+
+
 def run(cfg: SFTExperiment, info: DistInfo) -> dict:
+    """One trainer rank of the SFT stage, to ``sft.max_steps`` steps; returns the summary."""
     task = build_task(cfg.task)
     ensure_model(cfg, task, info)
     tokenizer = load_tokenizer(cfg.model.path)
@@ -161,53 +187,19 @@ def run(cfg: SFTExperiment, info: DistInfo) -> dict:
     evaluate = Evaluator(cfg, task, info)
     log = MetricsLogger(cfg.run_dir, "trainer", cfg.metrics, info.is_main, cfg.sft.max_steps)
     ckpt_root = Path(cfg.run_dir) / "checkpoints"
-    position, accuracy = 0, {}
-    resume_from = latest_checkpoint(ckpt_root) if cfg.trainer.resume else None
-    if resume_from is not None:
-        position = load_checkpoint(core, resume_from)["position"]
-        log.progress(core.step)
-    elif cfg.eval.every_steps:
-        accuracy = evaluate(core)
-        log.log(0, accuracy)
+    position, accuracy = resume_or_evaluate(cfg, core, ckpt_root, evaluate, log)
     initial_accuracy = accuracy.get("eval/accuracy")
     start, stop = time.time(), False
     while core.step < cfg.sft.max_steps and not stop:
         # The RL step's shape: take a batch, take my share, pack, step, log.
         batch = data.batch(position, cfg.sft.batch_size)
         position += cfg.sft.batch_size
-        mine = split_balanced([len(s) for s in batch], info.world_size)[info.rank]
-        micro = make_micro_batches(
-            [batch[i] for i in mine],
-            cfg.trainer.micro_batch_tokens,
-            cfg.trainer.packing,
-            tokenizer.pad_token_id,
-            cfg.trainer.row_tokens,
-        )
-        stats = core.train_step(
-            micro, lambda logits, mb: sft_loss(logits, mb.input_ids, mb.loss_mask)
-        )
-        scalars = {
-            "train/loss": stats.loss,
-            "train/grad_norm": stats.grad_norm,
-            "train/lr": stats.lr,
-            "train/tokens_per_s": stats.tokens / stats.seconds,
-            "train/skipped_steps": float(stats.skipped),
-            **stats.metrics,
-        }
+        stats = core.train_step(my_micro_batches(batch, cfg.trainer, info, core.pad_id), nll_loss)
+        if not stats.skipped:  # a non-finite step changed nothing: the next batch retakes it
+            core.step += 1
         stop = out_of_time(start, cfg.time_limit_s, info)
         last = core.step >= cfg.sft.max_steps or stop
-        if cfg.eval.every_steps and (core.step % cfg.eval.every_steps == 0 or last):
-            accuracy = evaluate(core)
-            scalars.update(accuracy)
-        if core.step % cfg.metrics.log_every == 0 or last:
-            log.log(core.step, scalars)
-        log.progress(
-            1,
-            {
-                "loss": f"{stats.loss:.3f}",
-                **{k[5:]: f"{v:.2f}" for k, v in accuracy.items() if k == "eval/accuracy"},
-            },
-        )
+        accuracy = log_step(cfg, core, stats, evaluate, log, accuracy, last)
         every = cfg.trainer.checkpoint_every
         if (every and core.step % every == 0) or last:
             save_checkpoint(core, ckpt_root, {"position": position}, cfg.trainer.keep_checkpoints)
@@ -222,6 +214,56 @@ def run(cfg: SFTExperiment, info: DistInfo) -> dict:
     log.write_summary(summary)
     log.close()
     return summary
+
+
+def resume_or_evaluate(
+    cfg: SFTExperiment,
+    core: TrainerCore,
+    ckpt_root: Path,
+    evaluate: Evaluator,
+    log: MetricsLogger,
+) -> tuple[int, dict[str, float]]:
+    """Resume from the newest checkpoint, or evaluate the starting policy (when evaluation
+    is on). Returns the data position and the starting evaluation ({} when resumed)."""
+    resume_from = latest_checkpoint(ckpt_root) if cfg.trainer.resume else None
+    if resume_from is not None:
+        position = load_checkpoint(core, resume_from)["position"]
+        log.progress(core.step)
+        return position, {}
+    accuracy = {}
+    if cfg.eval.every_steps:
+        accuracy = evaluate(core)
+        log.log(0, accuracy)
+    return 0, accuracy
+
+
+def log_step(
+    cfg: SFTExperiment,
+    core: TrainerCore,
+    stats: StepStats,
+    evaluate: Evaluator,
+    log: MetricsLogger,
+    accuracy: dict[str, float],
+    last: bool,
+) -> dict[str, float]:
+    """Evaluate when due, log the step's scalars and the progress bar; returns the latest
+    evaluation."""
+    scalars = {
+        "train/loss": stats.loss,
+        "train/grad_norm": stats.grad_norm,
+        "train/lr": stats.lr,
+        "train/tokens_per_s": stats.tokens / stats.seconds,
+        "train/skipped_steps": float(stats.skipped),
+        **stats.metrics,
+    }
+    if cfg.eval.every_steps and (core.step % cfg.eval.every_steps == 0 or last):
+        accuracy = evaluate(core)
+        scalars.update(accuracy)
+    if core.step % cfg.metrics.log_every == 0 or last:
+        log.log(core.step, scalars)
+    shown = {k[5:]: f"{v:.2f}" for k, v in accuracy.items() if k == "eval/accuracy"}
+    log.progress(1, {"loss": f"{stats.loss:.3f}", **shown})
+    return accuracy
 
 
 def main(argv: list[str] | None = None) -> None:

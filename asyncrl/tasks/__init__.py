@@ -12,11 +12,25 @@ from asyncrl.tasks.base import (
     Example,
     Task,
     TaskConfig,
-    build_task,
     extract_answer,
     stream_index,
 )
 from asyncrl.tasks.jsonl import load_jsonl
+
+
+def build_task(cfg: TaskConfig) -> Task:
+    """The task ``cfg`` describes, with its config checked."""
+    # Imported here so that `import asyncrl.tasks` stays cheap: reasoning_gym takes ~2 s.
+    if cfg.source == "reasoning_gym":
+        from asyncrl.tasks.reasoning_gym import ReasoningGymTask
+
+        return ReasoningGymTask(cfg)
+    if cfg.source == "jsonl":
+        from asyncrl.tasks.jsonl import JsonlTask
+
+        return JsonlTask(cfg)
+    raise ValueError(f'TaskConfig.source {cfg.source!r} is not "reasoning_gym" or "jsonl"')
+
 
 __all__ = [
     "DataError",

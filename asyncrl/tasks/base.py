@@ -178,20 +178,6 @@ def clamp_reward(value: float) -> float:
     return min(1.0, max(0.0, value))
 
 
-def build_task(cfg: TaskConfig) -> Task:
-    """The task ``cfg`` describes, with its config checked."""
-    # Imported here so that `import asyncrl.tasks` stays cheap: reasoning_gym takes ~2 s.
-    if cfg.source == "reasoning_gym":
-        from asyncrl.tasks.reasoning_gym import ReasoningGymTask
-
-        return ReasoningGymTask(cfg)
-    if cfg.source == "jsonl":
-        from asyncrl.tasks.jsonl import JsonlTask
-
-        return JsonlTask(cfg)
-    raise ValueError(f'TaskConfig.source {cfg.source!r} is not "reasoning_gym" or "jsonl"')
-
-
 @functools.lru_cache(maxsize=8)
 def _epoch_permutation(seed: int, epoch: int, n: int) -> tuple[int, ...]:
     return tuple(int(i) for i in np.random.default_rng([seed, epoch]).permutation(n))

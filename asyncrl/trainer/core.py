@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,13 +31,16 @@ from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.dist import DistInfo, all_reduce_max, all_reduce_sum
 from asyncrl.trainer.packing import MicroBatch, dummy_micro_batch
 
-LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-"""``loss_fn(logits [rows, T, V], micro_batch) -> (loss_sum [], metric_sums)``.
+LossFn = Callable[..., tuple]
+"""``loss_fn(logits [rows, T, V], mb[, loss_input]) -> (loss_sum [], metric_sums[, output])``.
 
 ``loss_sum`` is the *sum* of per-token (or per-sequence) losses in this micro-batch; the
 core divides by the global normalizer. Metric values are sums too, reduced the same way.
 The core calls it once per micro-batch, in the order given, then on any empty ones that
-even out the count over ranks.
+even out the count over ranks. ``loss_input`` is passed only when ``train_step`` gets
+``loss_inputs`` (this micro-batch's entry; None on the empty ones). ``output``, an
+optional third return value (the proximal logprobs the policy loss used), comes back in
+``StepStats.outputs``.
 """
 
 
@@ -68,10 +72,13 @@ class StepStats:
     """Tokens (all ranks) in this step's sequences."""
     seconds: float
     skipped: bool
-    """The loss or gradient norm was NaN/inf: no optimizer or scheduler step was taken,
-    the gradients were dropped, and ``TrainerCore.step`` did not advance."""
+    """The loss or gradient norm was NaN/inf: no optimizer or scheduler step was taken
+    and the gradients were dropped."""
     metrics: dict[str, float]
     """Global metric sums divided by the normalizer."""
+    outputs: list[Any] = field(default_factory=list)
+    """The loss's third return value for each of this rank's micro-batches, in order
+    (empty when the loss returns two)."""
 
 
 def shard_model(model: PreTrainedModel, info: DistInfo) -> PreTrainedModel:
@@ -118,6 +125,8 @@ class TrainerCore:
             weight_decay=optim_cfg.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim_cfg))
+        # The stage's step (in RL, the policy version): its loop advances it, a checkpoint
+        # saves it; train_step leaves it alone.
         self.step = 0
         self.nonfinite_in_a_row = 0
 
@@ -144,11 +153,15 @@ class TrainerCore:
         micro_batches: list[MicroBatch],
         loss_fn: LossFn,
         local_normalizer: float | None = None,
+        loss_inputs: Sequence[Any] | None = None,
     ) -> StepStats:
-        """One optimizer step over this rank's micro-batches.
+        """One optimizer update over this rank's micro-batches, or none when the loss or
+        the gradient norm is not finite (``StepStats.skipped``). It advances no step
+        counter: the stage's loop owns its step.
 
         ``local_normalizer`` defaults to this rank's loss-token count; the core sums it
         over ranks, and the loss is ``Σ_ranks Σ_micro loss_sum / Σ_ranks normalizer``.
+        ``loss_inputs``, one per micro-batch, are ``loss_fn``'s third argument.
         """
         start = time.perf_counter()
         if local_normalizer is None:
@@ -158,44 +171,17 @@ class TrainerCore:
         # FSDP averages gradients over ranks; multiplying by world size turns that
         # average into the sum that a global normalizer needs.
         scale = self.info.world_size / max(normalizer, 1.0)
-        batches = self.align(micro_batches)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_total = torch.zeros((), dtype=torch.float64)
-        metric_sums: dict[str, float] = {}
-        for i, mb in enumerate(batches):
-            # Reduce-scatter gradients only after the last micro-batch.
-            self.model.set_requires_gradient_sync(i == len(batches) - 1)
-            mb = mb.to(self.info.device)
-            loss_sum, metrics = loss_fn(self.forward(mb), mb)
-            (loss_sum * scale).backward()
-            loss_total += loss_sum.detach().double().cpu()
-            for k, v in metrics.items():
-                metric_sums[k] = metric_sums.get(k, 0.0) + float(v)
+        loss_total, metric_sums, outputs = self._backward(
+            micro_batches, loss_fn, scale, loss_inputs
+        )
         grad_norm = self._clip()
         keys = sorted(metric_sums)
         summed = all_reduce_sum(
             [loss_total.item(), *[metric_sums[k] for k in keys]], self.info.device
         )
         loss = summed[0] / max(normalizer, 1.0)
-        finite = math.isfinite(loss) and math.isfinite(grad_norm)
         lr = self.scheduler.get_last_lr()[0]
-        if finite:
-            self.optimizer.step()
-            self.scheduler.step()
-            self.step += 1
-            self.nonfinite_in_a_row = 0
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
-            self.nonfinite_in_a_row += 1
-            if self.nonfinite_in_a_row >= self.cfg.max_nonfinite_steps:
-                raise NonFiniteError(
-                    f"{self.nonfinite_in_a_row} consecutive steps had a non-finite loss or "
-                    f"gradient (last: loss={loss}, grad_norm={grad_norm}); stopping. Each "
-                    "was skipped without touching the weights. Lower optim.lr (or lengthen "
-                    "optim.warmup_steps), check rewards, advantages and data for NaN/inf, "
-                    "or resume from the last checkpoint; trainer.max_nonfinite_steps sets "
-                    "how many in a row are tolerated."
-                )
+        finite = self._step_if_finite(loss, grad_norm)
         return StepStats(
             loss=loss,
             grad_norm=grad_norm,
@@ -204,7 +190,59 @@ class TrainerCore:
             seconds=time.perf_counter() - start,
             skipped=not finite,
             metrics={k: v / max(normalizer, 1.0) for k, v in zip(keys, summed[1:])},
+            outputs=outputs,
         )
+
+    def _backward(
+        self,
+        micro_batches: list[MicroBatch],
+        loss_fn: LossFn,
+        scale: float,
+        loss_inputs: Sequence[Any] | None,
+    ) -> tuple[torch.Tensor, dict[str, float], list[Any]]:
+        """Forward and backward (loss × ``scale``) of every micro-batch, and of the empty
+        ones that even out the count over ranks; returns this rank's loss sum, metric
+        sums and the loss's extra outputs of its own micro-batches."""
+        batches = self.align(micro_batches)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_total = torch.zeros((), dtype=torch.float64)
+        metric_sums: dict[str, float] = {}
+        outputs = []
+        for i, mb in enumerate(batches):
+            # Reduce-scatter gradients only after the last micro-batch.
+            self.model.set_requires_gradient_sync(i == len(batches) - 1)
+            mb = mb.to(self.info.device)
+            own = i < len(micro_batches)
+            args = () if loss_inputs is None else (loss_inputs[i] if own else None,)
+            loss_sum, metrics, *output = loss_fn(self.forward(mb), mb, *args)
+            (loss_sum * scale).backward()
+            loss_total += loss_sum.detach().double().cpu()
+            for k, v in metrics.items():
+                metric_sums[k] = metric_sums.get(k, 0.0) + float(v)
+            if output and own:
+                outputs.append(output[0])
+        return loss_total, metric_sums, outputs
+
+    def _step_if_finite(self, loss: float, grad_norm: float) -> bool:
+        """The optimizer and scheduler step when loss and gradient norm are finite; else
+        drop the gradients, and raise ``NonFiniteError`` after too many in a row."""
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            self.optimizer.step()
+            self.scheduler.step()
+            self.nonfinite_in_a_row = 0
+            return True
+        self.optimizer.zero_grad(set_to_none=True)
+        self.nonfinite_in_a_row += 1
+        if self.nonfinite_in_a_row >= self.cfg.max_nonfinite_steps:
+            raise NonFiniteError(
+                f"{self.nonfinite_in_a_row} consecutive steps had a non-finite loss or "
+                f"gradient (last: loss={loss}, grad_norm={grad_norm}); stopping. Each "
+                "was skipped without touching the weights. Lower optim.lr (or lengthen "
+                "optim.warmup_steps), check rewards, advantages and data for NaN/inf, "
+                "or resume from the last checkpoint; trainer.max_nonfinite_steps sets "
+                "how many in a row are tolerated."
+            )
+        return False
 
     def _clip(self) -> float:
         max_norm = self.optim_cfg.max_grad_norm or float("inf")

@@ -168,6 +168,52 @@ def shared_prefix(members: list[TokenSequence]) -> int:
     return n
 
 
+@dataclass
+class _RowTokens:
+    """One row's per-token lists before the padding tail, all of one length."""
+
+    ids: list[int] = field(default_factory=list)
+    pos: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    seq: list[int] = field(default_factory=list)
+    """Index of each token's sequence in the micro-batch."""
+    parents: list[int] = field(default_factory=list)
+    """Position in the row of the logits that predict each token."""
+    unit: list[int] = field(default_factory=list)
+    """Index of each token's unit in the micro-batch."""
+    branch: list[int] = field(default_factory=list)
+    """0 for a shared prefix, else 1 + the member's index in its unit."""
+    fields: dict[str, list[float]] = field(default_factory=dict)
+
+
+def _lay_out_row(row: list[_Unit], names: list[str], count: int, units: int) -> _RowTokens:
+    """The tokens of one row's units; ``count`` sequences and ``units`` units precede it."""
+    r = _RowTokens(fields={n: [] for n in names})
+    for unit in row:
+        p, head = unit.prefix, unit.members[0]
+        start = len(r.ids)
+        for branch, s in enumerate([None, *unit.members]):
+            # branch 0 is the shared prefix (taken from the first member)
+            lo, hi, src = (0, p, head) if s is None else (p, len(s), s)
+            r.ids += src.input_ids[lo:hi]
+            r.pos += range(lo, hi)
+            r.mask += src.loss_mask[lo:hi]
+            r.seq += [count + max(branch - 1, 0)] * (hi - lo)
+            first = len(r.parents)
+            r.parents += range(first - 1, first - 1 + hi - lo)
+            if s is not None and p and hi > lo:
+                r.parents[first] = start + p - 1  # predicted at the prompt's last token
+            elif hi > lo and lo == 0:
+                r.parents[first] = first  # a sequence's first token: nothing predicts it
+            r.unit += [units] * (hi - lo)
+            r.branch += [branch] * (hi - lo)
+            for n in names:
+                r.fields[n] += src.fields[n][lo:hi]
+        count += len(unit.members)
+        units += 1
+    return r
+
+
 def _collate_rows(rows: list[list[_Unit]], pad_id: int, layout: str) -> MicroBatch:
     """Rows of concatenated units, tail-padded to the longest row.
 
@@ -182,41 +228,20 @@ def _collate_rows(rows: list[list[_Unit]], pad_id: int, layout: str) -> MicroBat
     fields: dict[str, list] = {n: [] for n in names}
     count = units = 0
     for row in rows:
-        r_ids, r_pos, r_mask, r_seq, r_par, r_unit, r_branch = ([] for _ in range(7))
-        r_fields: dict[str, list] = {n: [] for n in names}
-        for unit in row:
-            p, head = unit.prefix, unit.members[0]
-            start = len(r_ids)
-            for branch, s in enumerate([None, *unit.members]):
-                # branch 0 is the shared prefix (taken from the first member)
-                lo, hi, src = (0, p, head) if s is None else (p, len(s), s)
-                r_ids += src.input_ids[lo:hi]
-                r_pos += range(lo, hi)
-                r_mask += src.loss_mask[lo:hi]
-                r_seq += [count + max(branch - 1, 0)] * (hi - lo)
-                first = len(r_par)
-                r_par += range(first - 1, first - 1 + hi - lo)
-                if s is not None and p and hi > lo:
-                    r_par[first] = start + p - 1  # predicted at the prompt's last token
-                elif hi > lo and lo == 0:
-                    r_par[first] = first  # a sequence's first token: nothing predicts it
-                r_unit += [units] * (hi - lo)
-                r_branch += [branch] * (hi - lo)
-                for n in names:
-                    r_fields[n] += src.fields[n][lo:hi]
-            count += len(unit.members)
-            units += 1
-        tail = width - len(r_ids)
-        ids.append(r_ids + [pad_id] * tail)
-        pos.append(r_pos + list(range(tail)))
-        mask.append(r_mask + [0] * tail)
-        attn.append([1] * len(r_ids) + [0] * tail)
-        seq_ids.append(r_seq + [-1] * tail)
-        parents.append(r_par + list(range(len(r_par), width)))
-        unit_ids.append(r_unit + [-1] * tail)
-        branches.append(r_branch + [0] * tail)
+        r = _lay_out_row(row, names, count, units)
+        count += sum(len(unit.members) for unit in row)
+        units += len(row)
+        tail = width - len(r.ids)
+        ids.append(r.ids + [pad_id] * tail)
+        pos.append(r.pos + list(range(tail)))
+        mask.append(r.mask + [0] * tail)
+        attn.append([1] * len(r.ids) + [0] * tail)
+        seq_ids.append(r.seq + [-1] * tail)
+        parents.append(r.parents + list(range(len(r.parents), width)))
+        unit_ids.append(r.unit + [-1] * tail)
+        branches.append(r.branch + [0] * tail)
         for n in names:
-            fields[n].append(r_fields[n] + [0.0] * tail)
+            fields[n].append(r.fields[n] + [0.0] * tail)
     attention_mask = None
     if layout == "padded":
         attention_mask = torch.tensor(attn, dtype=torch.long)
@@ -243,6 +268,26 @@ def _tree_mask(unit: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
     visible = (key_branch == 0) | (key_branch == branch.unsqueeze(2))
     causal = torch.ones(unit.shape[1], unit.shape[1], dtype=torch.bool).tril()
     return (same_unit & causal & visible).unsqueeze(1)
+
+
+def _row_blocks(
+    groups: list[list[TokenSequence]], layout: str, row_tokens: int, share_prefix: bool
+) -> list[list[list[_Unit]]]:
+    """Blocks of rows that must share a micro-batch, in the order they are stacked: one
+    packed row each, or one group's padded rows."""
+    if layout == "packed":
+        units = [
+            [_Unit(g, shared_prefix(g))] if share_prefix else [_Unit([s]) for s in g]
+            for g in groups
+        ]
+        bins = first_fit_decreasing([sum(len(u) for u in g) for g in units], row_tokens)
+        rows = [[u for i in sorted(b) for u in units[i]] for b in bins]
+        rows.sort(key=lambda r: -sum(len(u) for u in r))  # widest first: little tail padding
+        return [[row] for row in rows]
+    if layout == "padded":
+        # arrival order, as a plain padded data loader has it
+        return [[[_Unit([s])] for s in g] for g in groups]
+    raise ValueError(f"unknown layout {layout!r}")
 
 
 def make_micro_batches(
@@ -283,20 +328,7 @@ def make_micro_batches(
             raise ValueError("a sequence needs at least 2 tokens and no target at position 0")
     starts = list(accumulate(sizes, initial=0))
     groups = [seqs[a : a + n] for a, n in zip(starts, sizes)]
-    if layout == "packed":
-        units = [
-            [_Unit(g, shared_prefix(g))] if share_prefix else [_Unit([s]) for s in g]
-            for g in groups
-        ]
-        bins = first_fit_decreasing([sum(len(u) for u in g) for g in units], row_tokens)
-        rows = [[u for i in sorted(b) for u in units[i]] for b in bins]
-        rows.sort(key=lambda r: -sum(len(u) for u in r))  # widest first: little tail padding
-        blocks = [[row] for row in rows]
-    elif layout == "padded":
-        # arrival order, as a plain padded data loader has it
-        blocks = [[[_Unit([s])] for s in g] for g in groups]
-    else:
-        raise ValueError(f"unknown layout {layout!r}")
+    blocks = _row_blocks(groups, layout, row_tokens, share_prefix)
     batches: list[list[list[_Unit]]] = [[]]
     for block in blocks:
         batch = batches[-1]

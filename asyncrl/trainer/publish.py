@@ -1,8 +1,9 @@
-"""Weight publication from trainer rank 0 to the generators (DESIGN §5). Three transports
-with the same three methods (``publish``, ``republish``, ``close``); ``weight_publisher``
-picks one from the config:
+"""Weight publication from trainer rank 0 to the generators (DESIGN §5). Three transports,
+each an ``asyncrl.interfaces.WeightPublisher`` (``publish``, ``republish``, ``close``);
+``weight_publisher`` picks one from the config, and the other ranks get a
+``NoWeightPublisher``:
 
-- ``WeightPublisher`` (embedded engines): the full state, gathered to rank 0, sent as raw
+- ``ZmqWeightPublisher`` (embedded engines): the full state, gathered to rank 0, sent as raw
   ZeroMQ frames on a PUB socket, one message per version; each generator stages them
   into its engine's idle copy.
 - ``DiskWeightPublisher`` (remote engines, ``engine.remote.weight_update="disk"``, the
@@ -36,6 +37,7 @@ import torch
 import zmq
 
 from asyncrl.engine.servers import free_port, write_weights_dir
+from asyncrl.interfaces import WeightPublisher
 from asyncrl.transport import (
     advertised_host,
     bind,
@@ -57,10 +59,10 @@ def new_lineage() -> str:
     return f"{os.getpid()}-{time.time_ns()}"
 
 
-def weight_publisher(cfg):
-    """The publisher for the generators' engine (``cfg`` is an ``RLExperiment``)."""
+def weight_publisher(cfg) -> WeightPublisher:
+    """Rank 0's publisher for the generators' engine (``cfg`` is an ``RLExperiment``)."""
     if cfg.engine.backend == "embedded":
-        return WeightPublisher(cfg)
+        return ZmqWeightPublisher(cfg)
     if cfg.engine.remote.weight_update == "nccl":
         return NcclWeightPublisher(cfg)
     return DiskWeightPublisher(cfg)
@@ -75,7 +77,21 @@ def _pub_socket(cfg) -> tuple[zmq.Context, zmq.Socket]:
     return ctx, sock
 
 
-class WeightPublisher:
+class NoWeightPublisher:
+    """The publisher of trainer ranks other than 0: they join in gathering the full state
+    (a collective), and rank 0 sends it."""
+
+    def publish(self, version: int, state: dict[str, torch.Tensor]) -> float:
+        return 0.0
+
+    def republish(self) -> None:
+        """Nothing was sent, so nothing to send again."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class ZmqWeightPublisher:
     """Rank 0's PUB socket: every generator receives each published version."""
 
     def __init__(self, cfg) -> None:

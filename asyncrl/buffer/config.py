@@ -1,0 +1,46 @@
+"""The buffer's settings (``experiment.buffer.*``): batch shape, the staleness bound,
+lease and heartbeat timeouts, filters, and how the buffer process saves its state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class BufferConfig:
+    prompts_per_batch: int = 16
+    """B: prompts (groups) per trainer step."""
+    samples_per_prompt: int = 4
+    """n: samples per prompt (the GRPO group size)."""
+    max_staleness: int | None = 2
+    """η: how many versions older than the consuming step a token may be; None: unbounded."""
+    lease_timeout_s: float = 120.0
+    """A lease not finished this long after it was issued is re-issued."""
+    heartbeat_timeout_s: float = 10.0
+    """A generator silent this long is presumed dead and its leases are re-issued."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal (no learning signal) and lease more prompts."""
+    skip_uniform: float = 0.0
+    """p of pre-rollout filtering (GRESO): a prompt whose last z groups each had equal
+    rewards is skipped in the prompt stream with probability 1 − (1 − p)^z, before any
+    token is generated for it; a group with a spread of rewards resets z. Dynamic sampling
+    drops such groups after paying for their tokens. 0 is off (docs/results.md has its
+    measured effect on tiny_grpo)."""
+    skip_uniform_min_reward: float | None = None
+    """Only a uniform group whose reward is at least this counts toward the streak: 1.0
+    with a 0/1 verifier skips solved prompts only, and keeps leasing the unsolved ones
+    for when the policy gets to them. None: every uniform group counts."""
+    checkpoint_s: float = 30.0
+    """The buffer process saves its state this often (and at exit); between saves it
+    appends what it accepts to a write-ahead log, so a restart loses nothing. 0 disables
+    both."""
+    wal_fsync: bool = False
+    """fsync the write-ahead log at every flush: survives the machine dying, not only the
+    process, at the cost of a disk sync per loop turn that accepted something."""
+    gap_timeout_s: float = 5.0
+    """A lease whose chunks stay out of order this long (one was lost, e.g. in a buffer
+    crash) is re-issued from the tokens assembled before the gap."""
+    replay_steps: int = 200
+    """Batches served to the trainer are kept (at most this many steps) until a trainer
+    checkpoint covers them, so a trainer restarted from that checkpoint gets the same
+    batches again instead of fresh ones."""

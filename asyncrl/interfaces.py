@@ -1,0 +1,111 @@
+"""The components' interfaces, declared in this one place as narrow ``typing.Protocol``s:
+what one part of asyncrl asks of another, and nothing more. A new implementation (a
+transport, a placement, an engine) is one class that has these methods.
+
+- ``BatchSource``: what a trainer rank asks of the buffer. Implemented by
+  ``asyncrl.buffer.client.BufferClient`` (the buffer process, over ZeroMQ) and by
+  ``asyncrl.stages.colocated.ColocatedRollout`` (generation inside the trainer process).
+- ``WeightPublisher``: how trainer rank 0 hands new weights to the generators.
+  Implemented by ``ZmqWeightPublisher``, ``DiskWeightPublisher``,
+  ``NcclWeightPublisher`` and ``NoWeightPublisher`` (ranks other than 0) in
+  ``asyncrl.trainer.publish``, and by ``ColocatedRollout``.
+- ``Engine``: what a generator (and the colocated placement) asks of an inference engine.
+  Implemented by ``asyncrl.engine.embedded.EmbeddedEngine`` (asyncrl's torch engine, in
+  the process) and ``asyncrl.engine.remote.RemoteEngine`` (sglang servers over HTTP).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from asyncrl.engine.base import EngineStatus, Request, StepOutput, Weights
+from asyncrl.wire import Batch
+
+
+class BatchSource(Protocol):
+    """Where a trainer rank's batches come from, and whom it tells about versions and
+    checkpoints."""
+
+    def request_batch(
+        self,
+        step: int,
+        world_size: int,
+        timeout_s: float = 600.0,
+        on_wait: Callable[[], None] | None = None,
+        wait_tick_s: float = 10.0,
+    ) -> Batch:
+        """Block until this rank's share of ``step``'s batch is there (whole groups, none
+        staler than ``max_staleness``) and return it; ``on_wait`` runs every
+        ``wait_tick_s`` seconds spent waiting; ``TimeoutError`` after ``timeout_s``."""
+        ...
+
+    def announce_version(self, version: int, resumed: bool = False) -> None:
+        """The newest published version (the staleness gate moves with it), or
+        (``resumed``) the version this trainer starts at, from a checkpoint or from 0."""
+        ...
+
+    def announce_checkpoint(self, oldest_kept_step: int) -> None:
+        """Batches of steps before ``oldest_kept_step`` will never be asked for again."""
+        ...
+
+    def close(self) -> None:
+        """Release sockets, engines and worker processes."""
+        ...
+
+
+class WeightPublisher(Protocol):
+    """How trainer rank 0 sends each new version of the policy to the generators."""
+
+    def publish(self, version: int, state: dict[str, torch.Tensor]) -> float:
+        """Send ``state`` (full, unsharded tensors by name) as ``version``; returns the
+        seconds it took."""
+        ...
+
+    def republish(self) -> None:
+        """Send the last version again, for generators that joined since (a no-op where
+        nothing can have been missed)."""
+        ...
+
+    def close(self) -> None:
+        """Release sockets and process groups."""
+        ...
+
+
+class Engine(Protocol):
+    """An inference engine: continuous batching over requests, one token per running
+    request per ``step``, each with its behavior logprob and weights version; new weights
+    flipped in between two steps, so decoding never waits for a transfer (DESIGN §5, §8)."""
+
+    def submit(self, request: Request) -> None:
+        """Queue a request; it joins the running batch at a later step. ``ValueError`` for
+        an empty prompt, one that does not fit the context, or an id already in use."""
+        ...
+
+    def step(self) -> StepOutput:
+        """Advance every running request by one token (prefilling newly admitted ones) and
+        report the requests that finished, aborted ones included."""
+        ...
+
+    def abort(self, request_id: str) -> None:
+        """Drop a queued or running request; a later step reports it finished (``abort``).
+        An unknown or already finished id is ignored."""
+        ...
+
+    def stage_weights(self, weights: Weights, version: int, *, wait: bool = False) -> None:
+        """Offer weights ``version`` (tensors, which the engine adopts, or a directory on
+        disk); received off the decode path and used from a later step on. Offers not
+        newer than the engine's newest are ignored by the remote engine. ``wait``: return
+        only once ``version`` is in use, for a caller that is not stepping meanwhile (the
+        colocated placement)."""
+        ...
+
+    def status(self) -> EngineStatus:
+        """Requests running and waiting, free capacity, weights versions, counters."""
+        ...
+
+    def close(self) -> None:
+        """Stop background threads, and the servers the engine launched."""
+        ...

@@ -1,0 +1,229 @@
+"""The RL stage's configuration: ``RLConfig`` (the algorithm, the loss, updates per batch,
+the critic) and ``RLExperiment``, everything one run needs (model, task, trainer, buffer,
+sampling, rewards, transport, engine), with the processes the launchers start for it and
+the rollout config the buffer and generators read. The loop is ``asyncrl.stages.rl``,
+which also re-exports both classes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from asyncrl.algorithms.losses import PPOLossConfig
+from asyncrl.buffer.config import BufferConfig
+from asyncrl.buffer.rewards import RewardConfig
+from asyncrl.config import ConfigError, save_json
+from asyncrl.engine.config import EngineConfig
+from asyncrl.evaluation import EvalConfig
+from asyncrl.metrics import MetricsConfig
+from asyncrl.models import ModelConfig
+from asyncrl.rollout import RolloutConfig, SamplingConfig
+from asyncrl.stages.common import ProcessSpec, trainer_ranks
+from asyncrl.stages.critic import CriticConfig
+from asyncrl.tasks import TaskConfig
+from asyncrl.trainer.config import OptimConfig, TrainerConfig
+from asyncrl.transport import TransportConfig
+
+
+@dataclass
+class RLConfig:
+    algorithm: Literal["grpo", "dr_grpo", "rloo", "ppo"] = "grpo"
+    """Advantage estimator: GRPO, Dr.GRPO (no std scaling), RLOO, or PPO with a critic
+    (GAE over token values, see ``critic``)."""
+    max_steps: int = 100
+    """Steps of the run: batches, each published as a version (with ``update_epochs`` > 1
+    a step takes several optimizer updates)."""
+    overlong_cache: int = 0
+    """DAPO overlong shaping over this many tokens before ``max_new_tokens`` (0: off)."""
+    export_dir: str = ""
+    """Write the final policy as an HF directory here; empty means ``RUN_DIR/hf``."""
+    loss: PPOLossConfig = field(default_factory=PPOLossConfig)
+    """The decoupled-PPO loss: clipping, importance-weight cap, KL and entropy terms."""
+    proximal_pass: bool = False
+    """Compute the proximal logprobs in a separate no-grad forward before the step. Off,
+    they are the step's own forward's logprobs, detached: with one update per batch both
+    forwards see the same weights and give the same values (a test checks loss and
+    gradients), and the separate pass only costs a forward over the batch. With
+    ``update_epochs > 1`` the first update's are kept for the later ones."""
+    update_epochs: int = 1
+    """Optimizer updates per batch, each over the whole batch (PPO's epochs, GRPO's μ),
+    all against the proximal policy of the step's start; the version still advances once
+    per batch. The learning-rate schedule counts updates (``optim.total_steps`` defaults
+    to ``max_steps × update_epochs``)."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The value model, GAE and the value loss; used when ``algorithm`` is ``ppo``."""
+
+
+@dataclass
+class RLExperiment:
+    name: str = "rl"
+    """Experiment name; names the default run directory."""
+    run_dir: str = ""
+    """Run directory; empty means ``runs/NAME-TIME``."""
+    seed: int = 0
+    """Seed of everything random in the run."""
+    time_limit_s: float = 0.0
+    """End the run after this many seconds of training (0: no limit)."""
+    num_generators: int = 1
+    """Generator processes."""
+    placement: Literal["async", "colocated"] = "async"
+    """``async``: buffer, generator and trainer processes (DESIGN §2). ``colocated``: one
+    trainer process alternates generation and training on the cores the async placement
+    would use, on-policy (``buffer.max_staleness`` becomes 0): the synchronous
+    hybrid-engine baseline, through the same RL step."""
+    init_from_experiment: str = ""
+    """Experiment file whose run writes ``model.path``; the launcher runs it first when
+    that directory is missing (e.g. SFT before RL)."""
+    reward_model_experiment: str = ""
+    """Experiment file whose run writes ``reward.model_path`` (a reward-model stage); the
+    launcher runs it first when that directory is missing and the reward uses the model."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy to start from (generators load the same directory)."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """The prompts (and their verifiers) the generators sample from."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Trainer ranks, device, micro-batching and checkpoints."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """The policy's AdamW and learning-rate schedule."""
+    rl: RLConfig = field(default_factory=RLConfig)
+    """The algorithm, its loss and its updates per batch."""
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    """Batch shape, staleness bound and group filters of the buffer process."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """How the generators sample completions."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """How completions are scored (verifier, reward model, user function)."""
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    """ZeroMQ between the processes: sockets, encryption, message limits, chunk flushing,
+    heartbeats."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """The generators' inference engine (embedded or remote servers)."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out greedy accuracy: how often and on how many examples."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Logging: TensorBoard, progress bar, cadence."""
+
+    entry: ClassVar[str] = "asyncrl.stages.rl"
+    """Module whose ``main`` runs one trainer rank of this stage."""
+
+    def finalize(self) -> None:
+        """Derived values, computed here and nowhere else."""
+        if not self.run_dir:
+            self.run_dir = f"runs/{self.name}-{datetime.now():%Y%m%d-%H%M%S}"
+        if self.rl.update_epochs < 1:
+            raise ConfigError(f"rl.update_epochs must be at least 1, got {self.rl.update_epochs}")
+        if self.optim.total_steps <= 0:
+            self.optim.total_steps = self.rl.max_steps * self.rl.update_epochs
+        if not self.rl.export_dir:
+            self.rl.export_dir = str(Path(self.run_dir) / "hf")
+        try:
+            self.reward.check()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.rl.loss.kl_in_reward and self.rl.algorithm != "ppo":
+            raise ConfigError(
+                f"rl.loss.kl_in_reward puts the KL penalty in PPO's token rewards; "
+                f"rl.algorithm={self.rl.algorithm} sees one reward per sample: set "
+                f"rl.algorithm=ppo or rl.loss.kl_in_reward=false (KL in the loss)"
+            )
+        if self.trainer.share_prefix and (
+            self.rl.algorithm == "ppo" or self.trainer.packing != "packed"
+        ):
+            raise ConfigError(
+                f"trainer.share_prefix lays out GRPO/RLOO groups as trees over their prompt: "
+                f"it needs trainer.packing=packed (got {self.trainer.packing}) and no critic "
+                f"(rl.algorithm={self.rl.algorithm}; PPO's GAE reads flat rows)"
+            )
+        if self.placement == "colocated":
+            if self.trainer.num_ranks != 1:
+                raise ConfigError("placement=colocated runs one process: set trainer.num_ranks=1")
+            if self.engine.backend != "embedded":
+                raise ConfigError(
+                    "placement=colocated runs the embedded engine in the trainer "
+                    "process: set engine.backend=embedded or placement=async"
+                )
+            self.buffer.max_staleness = 0  # step i trains only on tokens of version i
+        if self.engine.backend == "remote":
+            self.check_remote()
+
+    def check_remote(self) -> None:
+        """The remote engine's settings, and what NCCL weight updates need."""
+        remote = self.engine.remote
+        try:
+            remote.check()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if remote.weight_update != "nccl":
+            return
+        # The trainer also refuses at start when it finds no CUDA device (device=auto).
+        if self.trainer.device == "cpu":
+            raise ConfigError(
+                "engine.remote.weight_update=nccl broadcasts from the trainer's GPU, "
+                "and trainer.device=cpu: use engine.remote.weight_update=disk"
+            )
+        if remote.urls and self.num_generators > 1:
+            raise ConfigError(
+                "engine.remote.weight_update=nccl with engine.remote.urls: every "
+                "generator would attach to the same servers; use num_generators=1"
+            )
+
+    def prerequisites(self) -> list[tuple[str, str]]:
+        """(path, experiment file that makes it): the starting policy, and the reward model
+        when the reward uses one. The launchers run the missing ones first."""
+        needs = [(self.model.path, self.init_from_experiment)]
+        if self.reward.source != "verifier":
+            needs.append((self.reward.model_path, self.reward_model_experiment))
+        return needs
+
+    def processes(self, config_path: str) -> list[ProcessSpec]:
+        """The buffer, the generators and the trainer ranks, each restarted when it dies
+        (the trainer ranks together); only the trainer when colocated."""
+        if self.placement == "colocated":
+            return trainer_ranks(self, config_path)
+        rollout_path = str(Path(config_path).with_name("rollout.json"))
+        save_json(self.rollout(), rollout_path)
+        threads = max(1, self.engine.threads)
+        # The buffer and the trainer ranks come back from their saved state when they die.
+        procs = [
+            ProcessSpec(
+                "buffer",
+                "asyncrl.buffer.server",
+                ["--config", rollout_path],
+                group="buffer",
+                max_restarts=5,
+            )
+        ]
+        procs += [
+            ProcessSpec(
+                f"generator_{i}",
+                "asyncrl.generator.worker",
+                ["--config", rollout_path, "--worker-id", f"g{i}"],
+                restartable=True,
+                threads=threads,
+            )
+            for i in range(self.num_generators)
+        ]
+        return procs + trainer_ranks(self, config_path, group="trainer")
+
+    @property
+    def run_id(self) -> str:
+        """The run directory's name: every message of the run carries it."""
+        return Path(self.run_dir).name
+
+    def rollout(self) -> RolloutConfig:
+        """The config the buffer and generator processes read."""
+        return RolloutConfig(
+            run_dir=self.run_dir,
+            run_id=self.run_id,
+            seed=self.seed,
+            model=self.model,
+            task=self.task,
+            buffer=self.buffer,
+            sampling=self.sampling,
+            reward=self.reward,
+            transport=self.transport,
+            engine=self.engine,
+            metrics=self.metrics,
+        )
