@@ -28,11 +28,11 @@ import torch
 
 from asyncrl.buffer.core import RolloutBuffer
 from asyncrl.buffer.scoring import Scoring, buffer_counters
-from asyncrl.engine.base import Request, SamplingParams, StepOutput
+from asyncrl.engine.base import StepOutput
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.interfaces import Engine
 from asyncrl.metrics import MetricsLogger
-from asyncrl.rollout import PendingLease, TaskPrompts, record_tokens
+from asyncrl.rollout import PendingLease, TaskPrompts, lease_request, record_tokens
 from asyncrl.stages.common import threads_for
 from asyncrl.tasks import build_task
 from asyncrl.trainer.dist import DistInfo
@@ -203,21 +203,10 @@ class ColocatedRollout:
         free = status.free_slots - status.waiting
         leases = self.buffer.leases.lease(WORKER_ID, free, time.time()) if free > 0 else []
         for lease in leases:
-            s = lease.sampling
             # A lease carries a prefix only when re-issued, which never happens in one
             # process (nothing expires it); handled anyway, as a generator does.
-            params = SamplingParams(
-                max_new_tokens=max(1, s.max_new_tokens - len(lease.prefix_ids)),
-                temperature=s.temperature,
-                top_p=s.top_p,
-                top_k=s.top_k,
-                seed=s.seed,
-                stop_token_ids=list(s.stop_token_ids),
-            )
             try:
-                self.engine.submit(
-                    Request(lease.lease_id, lease.prompt_ids + lease.prefix_ids, params)
-                )
+                self.engine.submit(lease_request(lease))
             except ValueError:  # a prompt the engine cannot run fails its group, as in the buffer
                 self._finish(PendingLease(lease), "error")
                 continue

@@ -20,7 +20,9 @@ import numpy as np
 import torch
 
 from asyncrl.config import load_json
-from asyncrl.trainer.core import barrier
+from asyncrl.metrics import MetricsLogger
+from asyncrl.trainer.checkpoint import latest_checkpoint, load_checkpoint
+from asyncrl.trainer.core import TrainerCore, barrier
 from asyncrl.trainer.dist import DistInfo, all_reduce_max, init_distributed, shutdown_distributed
 
 
@@ -120,3 +122,27 @@ def trainer_ranks(cfg, config_path: str, group: str = "") -> list[ProcessSpec]:
         )
         for r in range(n)
     ]
+
+
+def resume_or_evaluate(
+    resume: bool,
+    eval_every: int,
+    core: TrainerCore,
+    ckpt_root: Path,
+    evaluate: Callable[[], dict[str, float]],
+    log: MetricsLogger,
+) -> tuple[int, dict[str, float]]:
+    """An offline stage's start (SFT, reward model, DPO): resume from the newest checkpoint
+    when ``resume``, or evaluate the starting model when evaluation is on
+    (``eval_every``). Returns the data position and the starting evaluation ({} when
+    resumed)."""
+    resume_from = latest_checkpoint(ckpt_root) if resume else None
+    if resume_from is not None:
+        position = load_checkpoint(core, resume_from)["position"]
+        log.progress(core.step)
+        return position, {}
+    scalars = {}
+    if eval_every:
+        scalars = evaluate()
+        log.log(0, scalars)
+    return 0, scalars

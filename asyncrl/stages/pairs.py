@@ -25,15 +25,13 @@ from asyncrl.balance import split_balanced
 from asyncrl.evaluation import EvalConfig
 from asyncrl.metrics import MetricsConfig, MetricsLogger
 from asyncrl.models import ModelConfig, load_tokenizer
-from asyncrl.stages.common import ProcessSpec, out_of_time, trainer_ranks
+from asyncrl.stages.common import ProcessSpec, out_of_time, resume_or_evaluate, trainer_ranks
 from asyncrl.stages.preference_data import PreferenceDataConfig, make_preference_data
 from asyncrl.tasks import TaskConfig, stream_index
 from asyncrl.tasks.base import DataError
 from asyncrl.tasks.jsonl import load_jsonl
 from asyncrl.trainer.checkpoint import (
     export_hf,
-    latest_checkpoint,
-    load_checkpoint,
     save_checkpoint,
 )
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
@@ -265,7 +263,9 @@ def train_on_pairs(
         return evaluate_pairs(core, micro, stage.loss, len(eval_ids)) | stage.evaluate(core)
 
     ckpt_root = Path(cfg.run_dir) / "checkpoints"
-    position, scalars = resume_or_evaluate(cfg, core, ckpt_root, evaluate, log)
+    position, scalars = resume_or_evaluate(
+        cfg.trainer.resume, cfg.eval.every_steps, core, ckpt_root, evaluate, log
+    )
     initial, start, stop = dict(scalars), time.time(), False
     while core.step < cfg.max_steps and not stop:
         mine = my_pairs(data.batch(position, cfg.batch_size), data, info)
@@ -301,24 +301,3 @@ def train_on_pairs(
     }
     log.write_summary(summary)
     return summary
-
-
-def resume_or_evaluate(
-    cfg: PairStageExperiment,
-    core: TrainerCore,
-    ckpt_root: Path,
-    evaluate: Callable[[], dict[str, float]],
-    log: MetricsLogger,
-) -> tuple[int, dict[str, float]]:
-    """Resume from the newest checkpoint, or evaluate the starting model (when evaluation
-    is on). Returns the data position and the starting evaluation ({} when resumed)."""
-    resume_from = latest_checkpoint(ckpt_root) if cfg.trainer.resume else None
-    if resume_from is not None:
-        position = load_checkpoint(core, resume_from)["position"]
-        log.progress(core.step)
-        return position, {}
-    scalars = {}
-    if cfg.eval.every_steps:
-        scalars = evaluate()
-        log.log(0, scalars)
-    return 0, scalars

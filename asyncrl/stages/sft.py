@@ -27,12 +27,16 @@ from asyncrl.evaluation import (
 )
 from asyncrl.metrics import MetricsConfig, MetricsLogger
 from asyncrl.models import ModelConfig, build_tiny_model, load_tokenizer
-from asyncrl.stages.common import ProcessSpec, out_of_time, stage_main, trainer_ranks
+from asyncrl.stages.common import (
+    ProcessSpec,
+    out_of_time,
+    resume_or_evaluate,
+    stage_main,
+    trainer_ranks,
+)
 from asyncrl.tasks import Example, Task, TaskConfig, build_task, stream_index
 from asyncrl.trainer.checkpoint import (
     export_hf,
-    latest_checkpoint,
-    load_checkpoint,
     save_checkpoint,
 )
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
@@ -187,7 +191,9 @@ def run(cfg: SFTExperiment, info: DistInfo) -> dict:
     evaluate = Evaluator(cfg, task, info)
     log = MetricsLogger(cfg.run_dir, "trainer", cfg.metrics, info.is_main, cfg.sft.max_steps)
     ckpt_root = Path(cfg.run_dir) / "checkpoints"
-    position, accuracy = resume_or_evaluate(cfg, core, ckpt_root, evaluate, log)
+    position, accuracy = resume_or_evaluate(
+        cfg.trainer.resume, cfg.eval.every_steps, core, ckpt_root, lambda: evaluate(core), log
+    )
     initial_accuracy = accuracy.get("eval/accuracy")
     start, stop = time.time(), False
     while core.step < cfg.sft.max_steps and not stop:
@@ -214,27 +220,6 @@ def run(cfg: SFTExperiment, info: DistInfo) -> dict:
     log.write_summary(summary)
     log.close()
     return summary
-
-
-def resume_or_evaluate(
-    cfg: SFTExperiment,
-    core: TrainerCore,
-    ckpt_root: Path,
-    evaluate: Evaluator,
-    log: MetricsLogger,
-) -> tuple[int, dict[str, float]]:
-    """Resume from the newest checkpoint, or evaluate the starting policy (when evaluation
-    is on). Returns the data position and the starting evaluation ({} when resumed)."""
-    resume_from = latest_checkpoint(ckpt_root) if cfg.trainer.resume else None
-    if resume_from is not None:
-        position = load_checkpoint(core, resume_from)["position"]
-        log.progress(core.step)
-        return position, {}
-    accuracy = {}
-    if cfg.eval.every_steps:
-        accuracy = evaluate(core)
-        log.log(0, accuracy)
-    return 0, accuracy
 
 
 def log_step(
