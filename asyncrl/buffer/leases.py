@@ -42,6 +42,9 @@ class LeaseTable:
             if s.lease_id
         }
         """Lease id → (group id, slot index) of every lease out now."""
+        # On the chunk path, per chunk: the state's containers, looked up once (a restore
+        # builds new parts over the new state, so these never go out of date).
+        self._groups, self._counts = state.groups, state.counts
         self.last_seen: dict[str, float] = {}
         """When each generator was last heard from (a lease, a chunk or a heartbeat)."""
         self.worker_versions: dict[str, int] = {}
@@ -64,14 +67,14 @@ class LeaseTable:
         """Assemble a chunk into its sample, in sequence order."""
         self.last_seen[chunk.worker_id] = now
         where = self.active.get(chunk.lease_id)
-        counts = self.state.counts
+        counts = self._counts
         if where is None:
             counts["chunks_unknown_lease"] += 1  # revoked or already finished
             return
         if not (len(chunk.token_ids) == len(chunk.logprobs) == len(chunk.versions)):
             counts["chunks_malformed"] += 1
             return
-        slot = self.state.groups[where[0]].slots[where[1]]
+        slot = self._groups[where[0]].slots[where[1]]
         if chunk.seq < slot.next_seq or chunk.seq in slot.pending:
             counts["chunks_duplicate"] += 1
             return
@@ -81,9 +84,9 @@ class LeaseTable:
         while slot.next_seq in slot.pending:
             c = slot.pending.pop(slot.next_seq)
             slot.next_seq += 1
-            slot.token_ids += c.token_ids
-            slot.logprobs += c.logprobs
-            slot.versions += c.versions
+            slot.token_ids.extend(c.token_ids)  # in place: no attribute set on the Struct
+            slot.logprobs.extend(c.logprobs)
+            slot.versions.extend(c.versions)
             counts["tokens_received"] += len(c.token_ids)
             if c.finished:
                 self._finish(where[0], slot, c.finish_reason)
