@@ -1,4 +1,4 @@
-"""Who may talk to a run's sockets: ZeroMQ CURVE keys and the authenticator (issue #10).
+"""Who may talk to a run's sockets: ZeroMQ CURVE keys and the authenticator.
 
 Threat model. A socket bound to a non-loopback interface (``transport.host="*"`` on a
 cluster) can be reached by anyone on the network: another user's job, a scanner, a

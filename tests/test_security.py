@@ -1,4 +1,4 @@
-"""Issue #10, security: CURVE keeps strangers off a buffer bound to every interface, keys
+"""Security: CURVE keeps strangers off a buffer bound to every interface, keys
 are private and made once, defaults bind loopback, oversized messages are refused, and
 nothing from the network is unpickled."""
 

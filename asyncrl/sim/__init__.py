@@ -1,4 +1,4 @@
-"""A discrete-event simulator of the asynchronous RL system (issue #9): generators with
+"""A discrete-event simulator of the asynchronous RL system: generators with
 continuous batching stream samples into the staleness-bounded buffer, the trainer
 consumes B groups per step and publishes versioned weights back; or the colocated
 placement, one process alternating the two.
