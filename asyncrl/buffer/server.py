@@ -42,6 +42,7 @@ import zmq
 
 from asyncrl.buffer.core import RolloutBuffer
 from asyncrl.buffer.scoring import InlineScoring, Scoring, buffer_counters
+from asyncrl.buffer.state import SavedState
 from asyncrl.buffer.wal import Journal, WriteAheadLog, replay
 from asyncrl.config import load_json
 from asyncrl.metrics import MetricsConfig, MetricsLogger
@@ -67,14 +68,6 @@ from asyncrl.wire import (
     WireDecoder,
     encode,
 )
-
-
-class SavedState(msgspec.Struct):
-    """``buffer_state.msgpack``: the buffer's state and the log segment that follows it."""
-
-    wal_segment: int
-    state: bytes
-
 
 DRAIN = 1000  # messages handled per socket per loop turn, so no socket starves the others
 

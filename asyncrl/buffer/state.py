@@ -93,3 +93,11 @@ class BufferState(msgspec.Struct):
     def __post_init__(self) -> None:
         # Counters read 0 for a name never counted, also after a restore.
         self.counts, self.staleness = Counter(self.counts), Counter(self.staleness)
+
+
+class SavedState(msgspec.Struct):
+    """``buffer_state.msgpack``: the buffer's state (``RolloutBuffer.save``) and the
+    write-ahead log segment that follows it."""
+
+    wal_segment: int
+    state: bytes

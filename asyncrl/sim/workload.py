@@ -86,11 +86,12 @@ def _finished_samples(run_dir: Path) -> tuple[Counter, Counter]:
         return Counter(), Counter()
     import msgspec
 
-    from asyncrl.buffer.core import BufferState
+    from asyncrl.buffer.state import BufferState, SavedState
 
-    state = msgspec.msgpack.decode(path.read_bytes(), type=BufferState)
+    saved = msgspec.msgpack.decode(path.read_bytes(), type=SavedState)
+    state = msgspec.msgpack.decode(saved.state, type=BufferState)
     lengths, prompts = Counter(), Counter()
-    for group in state.groups:
+    for group in state.groups.values():
         prompts[len(group.prompt_ids)] += 1
         for slot in group.slots:
             if slot.finish_reason and slot.finish_reason != "error":
