@@ -123,6 +123,17 @@ def _suggest(key: str, cfg: Any) -> str:
     return ", ".join(close) if close else ", ".join(valid[:8]) + ", ..."
 
 
+def _refuse_renamed(cls: type, name: str, prefix: str) -> None:
+    """Raise ConfigError naming the key that replaced ``name``, if the config class lists
+    it in its ``RENAMED`` (old field name → new one)."""
+    new = getattr(cls, "RENAMED", {}).get(name)
+    if new is not None:
+        raise ConfigError(
+            f"config key '{prefix}{name}' is gone: use '{prefix}{new}' "
+            f"(the docstring of {cls.__name__}.{new} says how it differs)"
+        )
+
+
 def set_override(cfg: Any, key: str, text: str) -> None:
     """Set ``key`` (dotted) on the config tree ``cfg`` from its string form ``text``."""
     parts = key.split(".")
@@ -131,6 +142,7 @@ def set_override(cfg: Any, key: str, text: str) -> None:
         if _is_dataclass_instance(node):
             names = {f.name for f in dataclasses.fields(node)}
             if name not in names:
+                _refuse_renamed(type(node), name, "".join(p + "." for p in parts[:i]))
                 raise ConfigError(
                     f"unknown config key '{key}'; closest valid keys: {_suggest(key, cfg)}"
                 )
@@ -190,6 +202,8 @@ def from_dict(cls: type, data: dict[str, Any]) -> Any:
             value = tuple(value)
         kwargs[f.name] = value
     unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+    for name in sorted(unknown):
+        _refuse_renamed(cls, name, "")
     if unknown:
         raise ConfigError(f"unknown keys for {cls.__name__}: {sorted(unknown)}")
     return cls(**kwargs)

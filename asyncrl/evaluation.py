@@ -59,20 +59,29 @@ def greedy_completions(
     engine: EmbeddedEngine, prompts: Sequence[list[int]], max_new_tokens: int
 ) -> list[list[int]]:
     """Greedy completion token ids of each prompt, without the final EOS."""
+    return greedy_generate(engine, prompts, max_new_tokens)[0]
+
+
+def greedy_generate(
+    engine: EmbeddedEngine, prompts: Sequence[list[int]], max_new_tokens: int
+) -> tuple[list[list[int]], list[str]]:
+    """Greedy completion token ids of each prompt (without the final EOS), and each one's
+    finish reason ("length" when it was cut at ``max_new_tokens``)."""
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     for i, prompt in enumerate(prompts):
         engine.submit(Request(f"eval-{i}", list(prompt), params))
     tokens: dict[str, list[int]] = {f"eval-{i}": [] for i in range(len(prompts))}
-    pending = set(tokens)
-    while pending:
+    reasons: dict[str, str] = {}
+    while len(reasons) < len(tokens):
         out = engine.step()
         for t in out.tokens:
             tokens[t.request_id].append(t.token_id)
         for f in out.finished:
-            pending.discard(f.request_id)
+            reasons[f.request_id] = f.reason
             if f.reason == "eos":
                 tokens[f.request_id].pop()
-    return [tokens[f"eval-{i}"] for i in range(len(prompts))]
+    ids = [f"eval-{i}" for i in range(len(prompts))]
+    return [tokens[i] for i in ids], [reasons[i] for i in ids]
 
 
 def greedy_accuracy(
@@ -82,9 +91,11 @@ def greedy_accuracy(
     examples: Sequence[Example],
     max_new_tokens: int,
 ) -> dict[str, float]:
-    """Fraction of greedy completions with full marks, mean reward, mean length in tokens,
-    under the weights ``engine`` holds now."""
-    completions = greedy_completions(engine, tokenize_prompts(tokenizer, examples), max_new_tokens)
+    """Fraction of greedy completions with full marks, mean reward, completion length in
+    tokens (mean and p10/p50/p90/p99) and the fraction cut at ``max_new_tokens``, under the
+    weights ``engine`` holds now."""
+    prompts = tokenize_prompts(tokenizer, examples)
+    completions, reasons = greedy_generate(engine, prompts, max_new_tokens)
     scores = [
         task.score(ex, tokenizer.decode(ids, skip_special_tokens=True))
         for ex, ids in zip(examples, completions)
@@ -97,4 +108,14 @@ def greedy_accuracy(
         "eval/accuracy": correct / n,
         "eval/reward": sum(scores) / n,
         "eval/completion_tokens": sum(len(c) for c in completions) / n,
-    }
+        "eval/truncated_frac": sum(r == "length" for r in reasons) / n,
+    } | length_percentiles("eval/length", [len(c) for c in completions])
+
+
+def length_percentiles(prefix: str, lengths: Sequence[int]) -> dict[str, float]:
+    """``{prefix}/p10`` … ``{prefix}/p99`` of ``lengths`` (nearest-rank); empty when none."""
+    if not lengths:
+        return {}
+    ordered = sorted(lengths)
+    last = len(ordered) - 1
+    return {f"{prefix}/p{q}": float(ordered[round(q / 100 * last)]) for q in (10, 50, 90, 99)}

@@ -17,12 +17,30 @@ Reads what the processes leave in RUN_DIR: ``metrics.jsonl`` (trainer steps with
     staleness_histogram                  consumed samples by staleness, {"0": n, "1": n, ...}
     accuracy_at_min                      {"2": acc}: the first eval at or after each minute
                                          of the trainer's clock (null: none yet)
+    length_p50, _p90, _p99               median over trainer steps of each step's completion-
+                                         length percentile (``length/p50`` …)
+    length_max, length_mean              the longest completion of the run; mean length
+    truncated_frac                       samples that hit max_new_tokens / samples trained
+    slot_occupancy                       mean share of the engines' slots in use, weighted by
+                                         generator wall time (idle time counts as none in use)
+    tail_s_total, tail_s_mean            per weights version, seconds from the finish by which
+                                         90% of its leases were done to the last finish: summed
+                                         over every generator's closed versions, and per one
+    tail_fraction                        tail seconds / those versions' generation seconds
+                                         (a batch's, under max_staleness 0; per generator)
+    trained_mean_length, finished_        mean completion length of the samples trained on and
+    mean_length, trained_vs_finished_     of all that finished, and their ratio (1: no length
+    length                                bias from staleness handling or filters)
+    dropped                              {"stale"|"filtered"|"failed": {samples, tokens}}
+    steps_waited_for_stragglers          steps the trainer held for a long sample
+    tokens_revoked_alive                 tokens generated for leases revoked from a live holder
     generators                           the per-generator figures behind the above
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -48,27 +66,51 @@ def seconds_to(evals: list[tuple[float, float]], target: float) -> float | None:
     return next((t for t, acc in sorted(evals) if acc >= target - 1e-9), None)
 
 
-def generator_figures(records: list[dict], run_dir: Path) -> dict[str, dict[str, Any]]:
-    """Per generator: totals over its logged windows, and p99s from its exit summary."""
-    out: dict[str, dict[str, Any]] = {}
+_WINDOW_SUMS = {
+    "seconds": "generator/window_s",
+    "idle_s": "generator/idle_s",
+    "tokens": "generator/tokens",
+    "tail_s": "generator/tail_s",
+    "tail_batches": "generator/tail_batches",
+    "batch_gen_s": "generator/batch_gen_s",
+}
+"""Per-generator totals over its logged windows: figure name -> window scalar."""
+
+
+def window_sums(records: list[dict]) -> dict[str, dict[str, float]]:
+    """Per generator, its windows' ``_WINDOW_SUMS``, and its slot-seconds in use
+    (occupancy × window seconds) over the seconds of windows that report occupancy."""
+    out: dict[str, dict[str, float]] = {}
     for r in records:
         if not r["process"].startswith("generator_") or "generator/window_s" not in r:
             continue
-        g = out.setdefault(
-            r["process"].removeprefix("generator_"), {"s": 0.0, "idle": 0.0, "tokens": 0.0}
-        )
-        g["s"] += r["generator/window_s"]
-        g["idle"] += r["generator/idle_s"]
-        g["tokens"] += r["generator/tokens"]
+        worker = r["process"].removeprefix("generator_")
+        g = out.setdefault(worker, dict.fromkeys([*_WINDOW_SUMS, "slot_s", "busy_slot_s"], 0.0))
+        for name, key in _WINDOW_SUMS.items():
+            g[name] += r.get(key, 0.0)
+        if "generator/slot_occupancy" in r:
+            g["slot_s"] += r["generator/window_s"]
+            g["busy_slot_s"] += r["generator/slot_occupancy"] * r["generator/window_s"]
+    return out
+
+
+def generator_figures(records: list[dict], run_dir: Path) -> dict[str, dict[str, Any]]:
+    """Per generator: totals over its logged windows, and p99s from its exit summary."""
     figures = {}
-    for worker, g in sorted(out.items()):
+    for worker, g in sorted(window_sums(records).items()):
         summary = _read_json(run_dir / f"generator_{worker}_summary.json")
         figures[worker] = {
             "tokens": g["tokens"],
-            "seconds": g["s"],
-            "idle_s": g["idle"],
-            "tokens_per_s": _ratio(g["tokens"], g["s"]),
-            "idle_fraction": _ratio(g["idle"], g["s"]),
+            "seconds": g["seconds"],
+            "idle_s": g["idle_s"],
+            "tokens_per_s": _ratio(g["tokens"], g["seconds"]),
+            "idle_fraction": _ratio(g["idle_s"], g["seconds"]),
+            "slot_s": g["slot_s"],
+            "slot_occupancy": _ratio(g["busy_slot_s"], g["slot_s"]),
+            "tail_batches": g["tail_batches"],
+            "tail_s": g["tail_s"],
+            "batch_gen_s": g["batch_gen_s"],
+            "tail_fraction": _ratio(g["tail_s"], g["batch_gen_s"]),
             "step_ms_p99_update": summary.get("update_step_ms_p99"),
             "step_ms_p99_steady": summary.get("steady_step_ms_p99"),
             "update_steps": summary.get("update_steps"),
@@ -76,6 +118,76 @@ def generator_figures(records: list[dict], run_dir: Path) -> dict[str, dict[str,
             "weight_flip_s_mean": summary.get("weight_flip_s"),
         }
     return figures
+
+
+def generator_totals(gens: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The run's figures over every generator: tokens/s, idle fraction, slot occupancy
+    and batch tails."""
+    total = {k: sum(g[k] for g in gens.values()) for k in _WINDOW_SUMS} if gens else {}
+    slot_s = sum(g["slot_s"] for g in gens.values())
+    busy_slot_s = sum(g["slot_occupancy"] * g["slot_s"] for g in gens.values() if g["slot_s"])
+    tail_s, batches = total.get("tail_s", 0.0), total.get("tail_batches", 0.0)
+    return {
+        "generated_tokens_per_s": sum(g["tokens_per_s"] or 0.0 for g in gens.values())
+        if gens
+        else None,
+        "generator_idle_fraction": _ratio(total.get("idle_s", 0.0), total.get("seconds")),
+        "slot_occupancy": _ratio(busy_slot_s, slot_s),
+        "tail_s_total": tail_s if batches else None,
+        "tail_s_mean": _ratio(tail_s, batches),
+        "tail_fraction": _ratio(tail_s, total.get("batch_gen_s")) if batches else None,
+    }
+
+
+def length_figures(steps: list[dict]) -> dict[str, float | None]:
+    """Completion lengths over the trainer's steps (``length/*`` per step): the median
+    step's p50, p90 and p99, the longest, the mean and the truncated share by sample."""
+
+    def median_of(key: str) -> float | None:
+        values = [r[key] for r in steps if key in r]
+        return statistics.median(values) if values else None
+
+    measured = [r for r in steps if "length/samples" in r]
+    samples = sum(r["length/samples"] for r in measured)
+    return {
+        "length_p50": median_of("length/p50"),
+        "length_p90": median_of("length/p90"),
+        "length_p99": median_of("length/p99"),
+        "length_max": max((r["length/max"] for r in measured), default=None),
+        "length_mean": _ratio(
+            sum(r["length/mean"] * r["length/samples"] for r in measured), samples
+        ),
+        "truncated_frac": _ratio(
+            sum(r["length/truncated_frac"] * r["length/samples"] for r in measured), samples
+        ),
+    }
+
+
+def buffer_figures(counters: dict[str, float]) -> dict[str, Any]:
+    """From the buffer's counters: the mean completion length of what was trained on and
+    of everything that finished (the length bias of staleness handling), what was dropped
+    and its tokens, and tokens generated for leases revoked from a live holder."""
+
+    def get(name: str) -> float:
+        return counters.get(f"buffer/{name}", 0.0)
+
+    trained = _ratio(get("completion_tokens_consumed"), get("samples_consumed"))
+    finished = _ratio(get("completion_tokens_finished"), get("samples_finished"))
+    dropped = {
+        kind: {
+            "samples": int(get(f"samples_{kind}")),
+            "tokens": int(get(f"completion_tokens_{kind}")),
+        }
+        for kind in ("stale", "filtered", "failed")
+    }
+    return {
+        "trained_mean_length": trained,
+        "finished_mean_length": finished,
+        "trained_vs_finished_length": _ratio(trained or 0.0, finished) if trained else None,
+        "dropped": dropped,
+        "steps_waited_for_stragglers": int(get("steps_waited_for_stragglers")),
+        "tokens_revoked_alive": int(get("tokens_revoked_alive")),
+    }
 
 
 def report(run_dir: str | Path, minutes: list[float]) -> dict[str, Any]:
@@ -90,7 +202,6 @@ def report(run_dir: str | Path, minutes: list[float]) -> dict[str, Any]:
     train_time = summary.get("train_time_s") or (trainer[-1]["time"] if trainer else None)
     trained = [r["train/tokens"] for r in steps if "train/tokens" in r]
     gens = generator_figures(records, run_dir)
-    gen_s, gen_idle_s = (sum(g[k] for g in gens.values()) for k in ("seconds", "idle_s"))
 
     def worst(key: str) -> float | None:
         values = [g[key] for g in gens.values() if g[key] is not None]
@@ -107,10 +218,7 @@ def report(run_dir: str | Path, minutes: list[float]) -> dict[str, Any]:
         "train_time_s": train_time,
         "trained_tokens_per_s": _ratio(sum(trained), train_time) if trained else None,
         "train_step_tokens_per_s": _ratio(sum(r["train/tokens_per_s"] for r in steps), len(steps)),
-        "generated_tokens_per_s": sum(g["tokens_per_s"] or 0.0 for g in gens.values())
-        if gens
-        else None,
-        "generator_idle_fraction": _ratio(gen_idle_s, gen_s),
+        **generator_totals(gens),
         "trainer_idle_fraction": _ratio(
             sum(r.get("train/wait_for_batch_s", 0.0) for r in steps), train_time
         ),
@@ -121,6 +229,8 @@ def report(run_dir: str | Path, minutes: list[float]) -> dict[str, Any]:
             [(r["time"], r["eval/accuracy"]) for r in trainer if "eval/accuracy" in r], minutes
         ),
         "final_eval_accuracy": summary.get("final_eval_accuracy"),
+        **length_figures(steps),
+        **buffer_figures(counters),
         "generators": gens,
     }
     return _rounded(figures)

@@ -113,10 +113,13 @@ def record_tokens(
     pending: dict[str, PendingLease], out: StepOutput
 ) -> list[tuple[PendingLease, str]]:
     """Append an engine step's tokens (each with its logprob and version) to their leases;
-    remove the finished ones from ``pending`` and return them with their finish reason."""
+    remove the finished ones from ``pending`` and return them with their finish reason.
+    Requests not in ``pending`` (aborted because their lease was taken back; an engine
+    may still report their last tokens and their finish) are ignored."""
     for t in out.tokens:
-        p = pending[t.request_id]
-        p.token_ids.append(t.token_id)
-        p.logprobs.append(t.logprob)
-        p.versions.append(t.version)
-    return [(pending.pop(f.request_id), f.reason) for f in out.finished]
+        p = pending.get(t.request_id)
+        if p is not None:
+            p.token_ids.append(t.token_id)
+            p.logprobs.append(t.logprob)
+            p.versions.append(t.version)
+    return [(pending.pop(f.request_id), f.reason) for f in out.finished if f.request_id in pending]

@@ -5,6 +5,7 @@ Who sends what:
 
     LeaseRequest   generator -> buffer    "I can take N more samples"
     LeaseGrant     buffer -> generator    Leases: each one sample of one prompt to generate
+    LeaseRevoked   buffer -> generator    leases taken back: abort them, send nothing more
     Chunk          generator -> buffer    new tokens of a lease, streamed as they are made
     Heartbeat      generator/trainer -> buffer
     BatchRequest   trainer rank -> buffer
@@ -67,8 +68,6 @@ class Lease(Message):
     sample_index: int
     prompt_ids: list[int]
     sampling: SamplingSpec
-    deadline: float
-    """Unix time by which the generator must have finished or the lease is re-issued."""
     prefix_ids: list[int] = []
     """Tokens already generated for this sample by an earlier holder of the lease; the
     generator continues after them. ``prefix_logprobs[i]`` and ``prefix_versions[i]`` belong
@@ -81,6 +80,16 @@ class LeaseGrant(Message):
     """The buffer's answer to a LeaseRequest: at least one lease (it waits until it has one)."""
 
     leases: list[Lease]
+
+
+class LeaseRevoked(Message):
+    """The buffer took these leases of ``worker_id`` back (no new chunk for too long, or
+    one lost) and leases their samples again: the generator aborts their requests and
+    sends no more chunks for them. Also the answer to a chunk for a lease the buffer no
+    longer has, so a generator that missed the first one stops all the same."""
+
+    worker_id: str
+    lease_ids: list[str]
 
 
 class Chunk(Message):
@@ -178,6 +187,7 @@ ANY_MESSAGE = (
     LeaseRequest
     | Lease
     | LeaseGrant
+    | LeaseRevoked
     | Chunk
     | Heartbeat
     | BatchRequest

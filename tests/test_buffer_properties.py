@@ -49,7 +49,7 @@ class Simulation:
             prompts_per_batch=2,
             samples_per_prompt=2,
             max_staleness=eta,
-            lease_timeout_s=50.0,
+            progress_timeout_s=50.0,
             heartbeat_timeout_s=5.0,
             dynamic_sampling=dynamic,
             skip_uniform=skip,

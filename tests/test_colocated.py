@@ -162,6 +162,7 @@ def test_launcher_runs_tiny_grpo_colocated(tmp_path, tiny_model_dir):
         "buffer.dynamic_sampling=false",
         "engine.embedded.max_slots=8",
         "metrics.tensorboard=false",
+        "rl.overlong_filter=true",
     ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -170,6 +171,12 @@ def test_launcher_runs_tiny_grpo_colocated(tmp_path, tiny_model_dir):
     trained = [r for r in metrics if r["process"] == "trainer" and "train/loss" in r]
     assert [r["step"] for r in trained] == [1, 2, 3]
     assert all(math.isfinite(r["train/loss"]) for r in trained)
+    # The step's completion lengths, and the truncated samples the overlong filter dropped.
+    for r in trained:
+        assert r["length/samples"] == 2 * 4
+        assert 1 <= r["length/p50"] <= r["length/p90"] <= r["length/p99"] <= r["length/max"]
+        truncated = r["length/truncated_frac"] * r["length/samples"]
+        assert r["train/overlong_filtered_samples"] == pytest.approx(truncated)
     phases = [r for r in metrics if r["process"] == "colocated"]
     assert [r["step"] for r in phases] == [1, 2, 3]
     counters = json.loads((run_dir / "buffer_counters.json").read_text())

@@ -70,10 +70,18 @@ def test_engine_greedy_accuracy_equals_hf_generate(tiny_model_dir, task):
         task.score(ex, tokenizer.decode(r, skip_special_tokens=True))
         for ex, r in zip(examples, ref)
     ]
+    # A completion without EOS has all max_new_tokens tokens (EOS is stripped): truncated.
+    truncated = sum(len(r) == cfg.max_new_tokens for r in ref) / len(ref)
+    lengths = sorted(map(len, ref))
     assert accuracy == {
         "eval/accuracy": sum(s >= 1.0 - 1e-6 for s in scores) / len(scores),
         "eval/reward": sum(scores) / len(scores),
-        "eval/completion_tokens": sum(map(len, ref)) / len(ref),
+        "eval/completion_tokens": sum(lengths) / len(ref),
+        "eval/truncated_frac": truncated,
+        "eval/length/p10": lengths[round(0.1 * (len(ref) - 1))],
+        "eval/length/p50": lengths[round(0.5 * (len(ref) - 1))],
+        "eval/length/p90": lengths[round(0.9 * (len(ref) - 1))],
+        "eval/length/p99": lengths[round(0.99 * (len(ref) - 1))],
     }
     assert not engine.running and engine.free_slots == cfg.batch_size  # nothing left behind
     engine.close()

@@ -236,7 +236,6 @@ def test_fuzzing_a_generator(tmp_path, tiny_model_dir):
             sample_index=0,
             prompt_ids=[5, 6, 7],
             sampling=SamplingSpec(max_new_tokens=5),
-            deadline=time.time() + 60,
         )
         router.send_multipart([identity, encode(LeaseGrant(run_id=RUN, leases=[lease]))])
         finished, beat = False, None

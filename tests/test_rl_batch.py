@@ -7,23 +7,28 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from asyncrl.algorithms.losses import PPOLossConfig
 from asyncrl.config import ConfigError
 from asyncrl.models import ModelConfig, load_model
+from asyncrl.rollout import SamplingConfig
 from asyncrl.stages.rl import RLConfig, RLExperiment
 from asyncrl.stages.rl_batch import (
     add_reference_logprobs,
+    length_scalars,
     penalize_kl_in_rewards,
     policy_loss,
     policy_updates,
     proximal_logprobs,
+    to_sequences,
 )
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import TrainerCore
 from asyncrl.trainer.packing import TokenSequence, make_micro_batches
+from asyncrl.wire import Sample
 
 from .conftest import full_grads, full_tensor
 
@@ -246,3 +251,97 @@ def test_kl_in_reward_needs_a_critic():
     )
     with pytest.raises(ConfigError, match="kl_in_reward"):
         cfg.finalize()
+
+
+def _sample(group: int, index: int, length: int, reward: float, reason: str, vocab: int = 20):
+    """A trajectory of a 3-token prompt and ``length`` generated tokens, as the buffer
+    sends it."""
+    rng = random.Random(group * 100 + index)
+    prompt, completion = [5, 6, 7], [rng.randrange(3, vocab) for _ in range(length)]
+    return Sample(
+        prompt_id=group,
+        group_id=group,
+        sample_index=index,
+        token_ids=prompt + completion,
+        logprobs=[0.0] * 3 + [rng.uniform(-3.0, -0.5) for _ in completion],
+        versions=[-1] * 3 + [0] * length,
+        loss_mask=[0] * 3 + [1] * length,
+        reward=reward,
+        finish_reason=reason,
+    )
+
+
+def _summed_loss_grads(core: TrainerCore, seqs: list[TokenSequence], cfg):
+    """The policy loss summed over ``seqs`` and its gradients, one backward per
+    micro-batch (the core divides by the batch's loss tokens; this sum is before it)."""
+    loss_fn = policy_loss(cfg, TEMPERATURE)
+    core.optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for mb in make_micro_batches(seqs, 256, "packed", 0, 256):
+        loss_sum, _, _ = loss_fn(core.forward(mb), mb, None)
+        loss_sum.backward()
+        total += loss_sum.item()
+    return total, full_grads(core.model)
+
+
+def test_overlong_filter_takes_truncated_samples_out_of_the_loss_only(dist_info, tiny_model_dir):
+    """``rl.overlong_filter``: the truncated sample (finish reason ``length``) gets loss
+    mask 0 and adds no gradient; its reward still sets its group's baseline, so the other
+    samples' advantages are those without the filter. Off, it is trained on."""
+    core = TrainerCore(
+        ModelConfig(path=tiny_model_dir), TrainerConfig(), OptimConfig(), dist_info, 0
+    )
+    vocab = core.model.config.vocab_size
+    rewards, reasons = [1.0, 0.0, 0.0, 1.0], ["eos", "length", "eos", "eos"]
+    samples = [
+        _sample(0, i, 8 if r == "length" else 3 + i, w, r, vocab)
+        for i, (w, r) in enumerate(zip(rewards, reasons))
+    ]
+    on, off = (
+        RLExperiment(rl=RLConfig(overlong_filter=f), sampling=SamplingConfig(max_new_tokens=8))
+        for f in (True, False)
+    )
+    seqs_on, seqs_off = to_sequences(samples, on), to_sequences(samples, off)
+    assert sum(seqs_off[1].loss_mask) == 8 and seqs_off[1].fields["advantages"][-1] < 0
+    assert sum(seqs_on[1].loss_mask) == 0 and not any(seqs_on[1].fields["advantages"])
+    for i in (0, 2, 3):  # same advantages: the filtered sample's 0 reward is in the baseline
+        assert seqs_on[i].loss_mask == seqs_off[i].loss_mask
+        assert seqs_on[i].fields["advantages"] == seqs_off[i].fields["advantages"]
+    truncated_on = _summed_loss_grads(core, [seqs_on[1]], on)[1]
+    truncated_off = _summed_loss_grads(core, [seqs_off[1]], off)[1]
+    assert all(not g.any() for g in truncated_on.values())
+    assert any(g.abs().sum() > 0 for g in truncated_off.values())
+    # The whole group with the filter = the group without the truncated sample.
+    loss_on, grads_on = _summed_loss_grads(core, seqs_on, on)
+    loss_rest, grads_rest = _summed_loss_grads(core, [seqs_on[i] for i in (0, 2, 3)], on)
+    loss_off, grads_off = _summed_loss_grads(core, seqs_off, off)
+    assert loss_on == pytest.approx(loss_rest, rel=1e-6) and loss_off != pytest.approx(loss_on)
+    for name in grads_on:
+        torch.testing.assert_close(grads_on[name], grads_rest[name], rtol=1e-5, atol=1e-7)
+    assert any(not torch.allclose(grads_off[n], grads_on[n]) for n in grads_on)
+
+
+def test_length_scalars_of_a_batch():
+    """Completion lengths 1 … 90 (eos) and ten of 100 (truncated at max_new_tokens):
+    percentiles as numpy's, the truncated share, and what the overlong filter dropped."""
+    lengths = list(range(1, 91)) + [100] * 10
+    samples = [
+        _sample(i // 4, i % 4, n, 0.0, "length" if n == 100 else "eos")
+        for i, n in enumerate(lengths)
+    ]
+    cfg = RLExperiment(
+        rl=RLConfig(overlong_filter=True), sampling=SamplingConfig(max_new_tokens=100)
+    )
+    got = length_scalars(samples, cfg, torch.device("cpu"))
+    p50, p90, p99 = np.percentile(lengths, [50, 90, 99])
+    assert got["length/p50"] == pytest.approx(p50) and got["length/p90"] == pytest.approx(p90)
+    assert got["length/p99"] == pytest.approx(p99) and got["length/max"] == 100
+    assert got["length/mean"] == pytest.approx(np.mean(lengths)) and got["length/samples"] == 100
+    assert got["length/truncated_frac"] == pytest.approx(0.1)
+    assert got["train/overlong_filtered_samples"] == 10
+    assert got["train/overlong_filtered_tokens"] == 1000
+    cfg.rl.overlong_filter = False
+    got = length_scalars(samples, cfg, torch.device("cpu"))
+    assert got["length/truncated_frac"] == pytest.approx(0.1)
+    assert not any(k.startswith("train/overlong") for k in got)
+    assert length_scalars([], cfg, torch.device("cpu")) == {}

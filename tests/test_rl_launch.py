@@ -248,3 +248,35 @@ def test_sigterm_to_the_launcher_stops_every_process(tmp_path, tiny_model_dir):
         launcher.kill()
     assert launcher.returncode == 130, out[-3000:]
     assert running() == []
+
+
+def test_launcher_runs_longtail_grpo(tmp_path, tiny_model_dir):
+    """The long-tail experiment end to end, briefly: its length figures reach the metrics,
+    and nothing is generated for leases revoked from a live holder."""
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "launch/local.py",
+        "experiments/longtail_grpo.py",
+        f"run_dir={run_dir}",
+        f"model.path={tiny_model_dir}",
+        "rl.max_steps=3",
+        "eval.every_steps=3",
+        "eval.num_examples=4",
+        "eval.max_new_tokens=24",
+        "sampling.max_new_tokens=24",
+        "task.train_size=200",
+        "buffer.prompts_per_batch=2",
+        "buffer.dynamic_sampling=false",
+        "engine.embedded.max_slots=8",
+        "transport.heartbeat_s=0.2",
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    steps = [r for r in read_metrics(run_dir) if r["process"] == "trainer" and "train/loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(r["length/samples"] == 8 and 0 < r["length/p50"] <= 24 for r in steps)
+    assert all("train/overlong_filtered_samples" in r for r in steps)
+    counters = json.loads((run_dir / "buffer_counters.json").read_text())
+    assert counters["buffer/tokens_revoked_alive"] == 0
+    assert counters["buffer/completion_tokens_consumed"] > 0

@@ -1,7 +1,7 @@
 """Real processes: the buffer, two generators (embedded engine, tiny model) and a consumer
 that requests batches, announces versions and publishes weights as the trainer would.
 One generator is killed with SIGKILL mid-run; its leases are re-issued and no sample is
-lost or counted twice."""
+lost or counted twice, and no lease of the live one is taken back."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def test_buffer_generators_and_consumer_survive_a_generator_kill(tmp_path, tiny_
             samples_per_prompt=SAMPLES,
             max_staleness=1,
             heartbeat_timeout_s=2.0,
-            lease_timeout_s=60.0,
+            progress_timeout_s=60.0,
         ),
         sampling=SamplingConfig(max_new_tokens=24, temperature=1.0),
         transport=TransportConfig(chunk_tokens=4, chunk_ms=20.0, heartbeat_s=0.2),
@@ -107,6 +107,12 @@ def test_buffer_generators_and_consumer_survive_a_generator_kill(tmp_path, tiny_
     assert c("samples_consumed") == len(consumed) == STEPS * PROMPTS * SAMPLES
     assert len({(g, i) for _, g, i, _, _ in consumed}) == len(consumed)  # each sample once
     assert c("leases_reissued") >= 1, counts  # the killed generator's leases went elsewhere
+    assert c("leases_revoked_holder_silent") == c("leases_reissued"), counts  # only those
+    # Presumed dead, it was not told, and no live holder lost a lease: nothing wasted, and
+    # the buffer logged that 0 into the run's metrics all along.
+    assert counts["buffer/tokens_revoked_alive"] == 0, counts
+    buffer_rows = [r for r in read_metrics(tmp_path) if r["process"] == "buffer"]
+    assert buffer_rows and all(r["buffer/tokens_revoked_alive"] == 0 for r in buffer_rows)
     newest = 0
     for step, _, _, versions, mask in consumed:
         generated = [v for v, m in zip(versions, mask) if m]

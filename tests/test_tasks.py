@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -287,3 +288,48 @@ def test_jsonl_non_utf8_names_line(tmp_path):
     path.write_bytes(b'{"prompt": "a", "answer": "b"}\n{"prompt": "\xff", "answer": "b"}\n')
     with pytest.raises(DataError, match=f"{path}:2: not UTF-8"):
         load_jsonl(path)
+
+
+def _series(**kwargs) -> object:
+    return build_task(
+        TaskConfig(
+            dataset="arithmetic_series",
+            dataset_kwargs=kwargs,
+            prompt_template="{question}:",
+            completion_template=" {solution}",
+            train_size=2000,
+        )
+    )
+
+
+def test_arithmetic_series_solutions_are_checked_worked_series():
+    from asyncrl.tasks.series import worked_solution
+
+    assert worked_solution(13, 6, 7) == ("1:13 2:19 3:25 4:31 5:37 6:43 7:49", 49)
+    assert worked_solution(995, 9, 2) == ("1:995 2:1004", 1004)
+    task = _series()
+    for ex in task.examples("eval")[:50]:
+        terms, start, step = (int(x) for x in re.findall(r"\d+", ex.prompt))
+        written = [t.split(":") for t in ex.completion.split()]
+        assert [int(i) for i, _ in written] == list(range(1, terms + 1))
+        assert [int(t) for _, t in written] == [start + step * i for i in range(terms)]
+        assert ex.answer == written[-1][1] and task.score(ex, ex.completion) == 1.0
+        assert task.score(ex, ex.completion + " 1") == 0.0
+
+
+def test_arithmetic_series_lengths_span_more_than_ten_times():
+    """The long tail the long-tail experiments are built on: p10 ≤ 32 tokens and p99 ≥ 256
+    of the reference solutions (one token per character), held out from train."""
+    task = _series()
+    lengths = sorted(len(ex.completion) for ex in task.examples("eval"))
+    p10, p99 = lengths[len(lengths) // 10], lengths[round(0.99 * (len(lengths) - 1))]
+    assert p10 <= 32 and p99 >= 256 and max(lengths) < 512, (p10, p99, max(lengths))
+    train = {task.examples("train")[i].prompt for i in range(2000)}
+    assert not train & {ex.prompt for ex in task.examples("eval")}
+
+
+def test_solution_template_needs_a_dataset_with_solutions():
+    with pytest.raises(ValueError, match="metadata\\['solution'\\]"):
+        build_task(TaskConfig(completion_template=" {solution}")).examples("train")[0]
+    with pytest.raises(ValueError, match="max_terms"):
+        _series(max_terms=3).examples("train")[0]

@@ -11,6 +11,7 @@ from asyncrl.wire import (
     Chunk,
     Heartbeat,
     Lease,
+    LeaseRevoked,
     SamplingSpec,
     VersionAnnounce,
     WeightsAnnounce,
@@ -33,7 +34,6 @@ def test_every_message_round_trips_with_its_tag():
         sample_index=1,
         prompt_ids=[1, 2, 3],
         sampling=SamplingSpec(max_new_tokens=9, temperature=0.7, seed=5),
-        deadline=123.5,
     )
     chunk = Chunk(
         run_id=RUN,
@@ -49,8 +49,9 @@ def test_every_message_round_trips_with_its_tag():
     beat = Heartbeat(
         run_id=RUN, worker_id="g0", kind="generator", version=4, counters={"tokens": 10.0}
     )
+    revoked = LeaseRevoked(run_id=RUN, worker_id="g0", lease_ids=["l1", "l2"])
     decoder = WireDecoder(RUN)
-    for message in (lease, chunk, beat, VersionAnnounce(run_id=RUN, version=2)):
+    for message in (lease, chunk, beat, revoked, VersionAnnounce(run_id=RUN, version=2)):
         frame = encode(message)
         assert type(message).__name__.encode() in frame  # tagged by class name
         assert decoder.decode(frame) == message

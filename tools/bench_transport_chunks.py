@@ -156,7 +156,7 @@ def write_rollout_config(run_dir: Path, model_dir: Path, samples_per_prompt: int
         prompts_per_batch=1,
         samples_per_prompt=samples_per_prompt,
         max_staleness=None,
-        lease_timeout_s=3600.0,
+        progress_timeout_s=3600.0,
         heartbeat_timeout_s=3600.0,
     )
     cfg = RolloutConfig(

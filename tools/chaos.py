@@ -26,6 +26,8 @@ start a new one. When the launcher has exited, the figures come from the run dir
                                              consumed samples not in it, samples in it more
                                              than once, steps absent from it
     batches_served_again, steps_not_replayable, leases_reissued   buffer counters
+    tokens_revoked_alive                     buffer counter: tokens streamed into leases
+                                             taken from live generators (lost chunks)
     accuracy_initial/final/peak, seconds_to_target, target_reached, trainer_wall_s
                                              held-out evaluations; seconds from the first
                                              trainer's start (seen by polling metrics.jsonl);

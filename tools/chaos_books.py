@@ -129,6 +129,7 @@ def books(counters: dict, lineage_figures: dict) -> dict[str, Any]:
             "batches_served_again",
             "steps_not_replayable",
             "leases_reissued",
+            "tokens_revoked_alive",
         )
     }
     ended = sum(c[f"samples_{k}"] for k in ("consumed", "stale", "filtered", "failed"))

@@ -1,7 +1,8 @@
 """How far off-policy can training go before learning suffers, and how much faster is it?
 
     python tools/staleness_study.py [--experiment experiments/tiny_grpo.py] \
-        [--etas 0,1,2,4,8,none] [--seeds 0] [--time-limit 270] [--out runs/studies/staleness]
+        [--etas 0,1,2,4,8,none] [--seeds 0] [--time-limit 270 | --steps N] \
+        [--out runs/studies/staleness]
 
 Runs the experiment once per η (``buffer.max_staleness``; ``none`` is unbounded) with the
 decoupled PPO loss on and off (``rl.loss.use_decoupled_loss``), each with the same seeds
@@ -27,7 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from asyncrl.launcher.study import Point, add_set_argument, run_points, write_csv  # noqa: E402
 
 
-def points_for(etas: list[str], seeds: list[int], time_limit: float) -> list[Point]:
+def points_for(etas: list[str], seeds: list[int], time_limit: float, steps: int = 0) -> list[Point]:
+    """One run per (seed, η, loss); with ``steps``, each runs that many steps whatever
+    the time (AReaL's Table 2 compares at equal steps), else for ``time_limit`` seconds."""
+    budget = (
+        [f"rl.max_steps={steps}", "time_limit_s=0"] if steps else [f"time_limit_s={time_limit}"]
+    )
     points = []
     for seed in seeds:
         for eta in etas:
@@ -39,7 +45,7 @@ def points_for(etas: list[str], seeds: list[int], time_limit: float) -> list[Poi
                     f"buffer.max_staleness={eta}",
                     f"rl.loss.use_decoupled_loss={decoupled}",
                     f"seed={seed}",
-                    f"time_limit_s={time_limit}",
+                    *budget,
                 ]
                 points.append(
                     Point(name, overrides, {"eta": eta, "decoupled": decoupled, "seed": seed})
@@ -116,6 +122,15 @@ def main(argv: list[str] | None = None) -> int:
         "--time-limit", type=float, default=270.0, help="seconds of training per run"
     )
     parser.add_argument(
+        "--steps",
+        type=int,
+        default=0,
+        help="run every point for this many steps instead of --time-limit seconds",
+    )
+    parser.add_argument(
+        "--run-timeout", type=float, default=3600.0, help="seconds before a --steps run is killed"
+    )
+    parser.add_argument(
         "--targets", default="0.45,0.5", help="accuracy targets for seconds_to_target"
     )
     add_set_argument(parser)
@@ -125,10 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     targets = [float(t) for t in args.targets.split(",")]
     out = Path(args.out)
-    points = points_for(etas, seeds, args.time_limit)
+    points = points_for(etas, seeds, args.time_limit, args.steps)
     for point in points:
         point.overrides += args.set
-    results = run_points(args.experiment, points, out, targets, timeout_s=args.time_limit + 600)
+    timeout = args.run_timeout if args.steps else args.time_limit + 600
+    results = run_points(args.experiment, points, out, targets, timeout_s=timeout)
     write_csv(results, out / "results.csv")
     plot(results, out, etas)
     table = [

@@ -1,7 +1,8 @@
 """Asynchronous against synchronous: time to an accuracy target and throughput.
 
     python tools/throughput_study.py [--experiment experiments/tiny_grpo.py] [--seeds 0] \
-        [--time-limit 600] [--target 0.5] [--sweep-time-limit 150] [--out runs/studies/throughput]
+        [--time-limit 600] [--target 0.5] [--stop-at-target] [--sweep-time-limit 150] \
+        [--out runs/studies/throughput]
 
 Three modes of the same experiment, same seeds, budget and cores, one after another:
 ``async`` (the experiment's η), ``sync`` (η = 0, the same placement: generation waits for
@@ -51,6 +52,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--target", type=float, default=0.5, help="held-out accuracy target")
     parser.add_argument(
+        "--stop-at-target",
+        action="store_true",
+        help="end each mode's run once it reaches the target (its throughput figures then "
+        "cover the run up to there)",
+    )
+    parser.add_argument(
         "--sweep-time-limit", type=float, default=150.0, help="0 skips the ratio sweep"
     )
     add_set_argument(parser)
@@ -65,7 +72,13 @@ def run_modes(
     points = [
         Point(
             f"{mode}-s{seed}",
-            [*extra, f"seed={seed}", f"time_limit_s={args.time_limit}", *args.set],
+            [
+                *extra,
+                f"seed={seed}",
+                f"time_limit_s={args.time_limit}",
+                *([f"stop_at_accuracy={args.target}"] if args.stop_at_target else []),
+                *args.set,
+            ],
             {"mode": mode, "seed": seed},
         )
         for seed in seeds

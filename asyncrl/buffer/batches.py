@@ -29,6 +29,10 @@ class BatchServer:
         groups: GroupAssembler,
     ) -> None:
         self.cfg, self.gate, self.state, self.groups = cfg, gate, state, groups
+        self._waited_step = -1
+        self.steps_waited = 0
+        """Steps held for a straggler since this process started: a gauge, not part of the
+        saved state (a wait changes nothing the write-ahead log replays)."""
 
     def batch_for(self, step: int, rank: int, world_size: int) -> list[Sample] | None:
         """This rank's share of the step's batch, or None while it is not complete yet.
@@ -91,20 +95,45 @@ class BatchServer:
 
     def _take_groups(self, step: int) -> list[Group] | None:
         """Drop what became too stale (its prompt is leased again), then take B groups,
-        oldest first, if there are B."""
+        oldest first, if there are B and no straggler must be waited for."""
         st, fresh = self.state, []
         for group_id in st.ready:
             group = st.groups[group_id]
-            oldest = min((v for s in group.slots for v in s.versions), default=step)
-            if self.gate.is_stale(step, oldest):
+            if self.gate.is_stale(step, oldest_version(group, step)):
                 self.groups.drop_stale(group)
             else:
                 fresh.append(group_id)
         st.ready = fresh
-        if len(fresh) < self.cfg.prompts_per_batch:
+        if len(fresh) < self.cfg.prompts_per_batch or self._straggler(step):
             return None
+        # Oldest tokens first, not first finished: a long group finishes late, and taking
+        # groups in finishing order would leave it behind until it is too stale to train.
+        fresh.sort(key=lambda g: (oldest_version(st.groups[g], step), g))
         taken, st.ready = fresh[: self.cfg.prompts_per_batch], fresh[self.cfg.prompts_per_batch :]
         return [st.groups.pop(g) for g in taken]
+
+    def _straggler(self, step: int) -> bool:
+        """Whether a group still generating would be too stale for the step after this
+        one: then the trainer waits for it (``stale_policy="wait"``), so that long
+        samples, which finish last, are trained on instead of dropped for staleness.
+        Holding the step also holds the version, and so the gate's admission: generation
+        is paced by its slowest sample, never more than η versions behind."""
+        if self.cfg.stale_policy != "wait" or self.gate.max_staleness is None:
+            return False
+        ready = set(self.state.ready)
+        for group in self.state.groups.values():
+            if group.group_id in ready:
+                continue
+            # A slot's first token is its oldest but for a lease moved to a generator with
+            # older weights; the exact check at consumption still catches that case.
+            # Waiting is only worth it for a group not stale already (that only happens after
+            # a restart), and counted once per step however often the trainer asks.
+            started = [s.versions[0] for s in group.slots if s.versions]
+            if started and step - min(started) == self.gate.max_staleness:
+                if self._waited_step != step:
+                    self._waited_step, self.steps_waited = step, self.steps_waited + 1
+                return True
+        return False
 
     def _consume(self, step: int, groups: list[Group], world_size: int) -> list[list[Sample]]:
         """The groups as samples, counted as consumed with their staleness, per rank."""
@@ -115,8 +144,16 @@ class BatchServer:
             st.staleness[step - min(generated, default=step)] += 1
             st.newest_consumed_version = max(st.newest_consumed_version, *generated, 0)
         st.counts["samples_consumed"] += sum(len(g) for g in per_group)
+        st.counts["completion_tokens_consumed"] += sum(
+            len(s.token_ids) for g in groups for s in g.slots
+        )
         st.counts["groups_consumed"] += len(groups)
         return split_groups(per_group, world_size)
+
+
+def oldest_version(group: Group, default: int) -> int:
+    """The version of the group's oldest generated token (``default`` if it has none)."""
+    return min((v for s in group.slots for v in s.versions), default=default)
 
 
 def to_sample(group: Group, slot) -> Sample:

@@ -4,20 +4,36 @@ lease and heartbeat timeouts, filters, and how the buffer process saves its stat
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 
 @dataclass
 class BufferConfig:
+    RENAMED: ClassVar[dict[str, str]] = {"lease_timeout_s": "progress_timeout_s"}
+    """Keys that are gone, each with the one that took its place (an override of an old key
+    is refused with the new one named, not silently ignored)."""
+
     prompts_per_batch: int = 16
     """B: prompts (groups) per trainer step."""
     samples_per_prompt: int = 4
     """n: samples per prompt (the GRPO group size)."""
     max_staleness: int | None = 2
     """η: how many versions older than the consuming step a token may be; None: unbounded."""
-    lease_timeout_s: float = 120.0
-    """A lease not finished this long after it was issued is re-issued."""
+    stale_policy: Literal["wait", "drop"] = "wait"
+    """What the trainer does about a group still generating that would be too stale for
+    the next step: ``wait`` holds the step until it finishes (long samples, which finish
+    last, are trained on, not dropped); ``drop`` goes on without it, and it is dropped for
+    staleness when it finishes and its prompt leased again."""
     heartbeat_timeout_s: float = 10.0
     """A generator silent this long is presumed dead and its leases are re-issued."""
+    progress_timeout_s: float = 300.0
+    """A lease whose holder is alive but has sent no new chunk for it this long (counted
+    from its issue, then from its latest chunk) is taken back, its holder told to abort
+    it, and re-issued. A lease is never taken back for its total length: a healthy
+    generation sends a chunk every ``transport.chunk_ms``, however many minutes it runs.
+    The wait before a lease's first token (its prefill, a queue in the holder's engine, a
+    weight update) counts against this, so it must exceed the longest such wait; 300 s
+    is minutes above that on CPU and wastes at most five minutes of a stuck sample."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (no learning signal) and lease more prompts."""
     skip_uniform: float = 0.0

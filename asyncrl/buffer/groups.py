@@ -82,6 +82,9 @@ class GroupAssembler:
             self._end(group, "samples_failed")
             self.state.counts["groups_failed"] += 1
             return
+        # Completion lengths of everything finished, to compare with what is trained on.
+        self.state.counts["samples_finished"] += 1
+        self.state.counts["completion_tokens_finished"] += len(slot.token_ids)
         key = (group.group_id, slot.index)
         self._unscored.append(
             ToScore(key, group.prompt_id, list(slot.token_ids), slot.finish_reason)
@@ -138,6 +141,9 @@ class GroupAssembler:
     def _end(self, group: Group, outcome: str) -> None:
         st = self.state
         st.counts[outcome] += len(group.slots)
+        st.counts[outcome.replace("samples_", "completion_tokens_")] += sum(
+            len(s.token_ids) for s in group.slots
+        )
         st.prompts_counted -= 1  # its replacement is admitted under the same bound
         del st.groups[group.group_id]
 

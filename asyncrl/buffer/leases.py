@@ -1,13 +1,21 @@
 """The lease table: the buffer's part that hands samples to generators and assembles what
 they stream back.
 
-A lease gives one sample of a group to one generator, with a deadline. The generator
-streams the sample's tokens as ``Chunk``s with sequence numbers; chunks are assembled in
-order (a duplicate is counted and dropped, one that arrives early waits for the ones
-before it). A lease is taken back (``expire`` picks, ``revoke`` takes) when it is past
-its deadline, its holder has been silent longer than the heartbeat timeout, or a chunk
-before the ones waiting never came; the sample then goes first in line to be leased
-again, with the tokens already assembled as the next holder's prefix. The last chunk
+A lease gives one sample of a group to one generator. The generator streams the sample's
+tokens as ``Chunk``s with sequence numbers; chunks are assembled in order (a duplicate is
+counted and dropped, one that arrives early waits for the ones before it). A lease runs
+as long as its generation does, minutes if need be; it is taken back (``expire`` picks,
+``revoke`` takes) only when
+
+    holder_silent  its holder sent nothing for ``heartbeat_timeout_s``: presumed dead
+    gap            a chunk before the ones waiting never came, for ``gap_timeout_s``
+    no_progress    its holder is alive but sent no new chunk for it for
+                   ``progress_timeout_s``, counted from its issue or its latest chunk
+
+The sample then goes first in line to be leased again, with the tokens already assembled
+as the next holder's prefix. A holder that is alive (the last two) is told to abort the
+lease (the buffer process sends ``LeaseRevoked``); tokens that still arrive for it are
+counted as ``tokens_revoked_alive``, the work such revocations waste. The last chunk
 hands the sample to the ``GroupAssembler``.
 """
 
@@ -17,6 +25,12 @@ from asyncrl.buffer.config import BufferConfig
 from asyncrl.buffer.groups import GroupAssembler
 from asyncrl.buffer.state import BufferState, Slot
 from asyncrl.wire import Chunk, Lease, SamplingSpec
+
+HOLDER_SILENT, GAP, NO_PROGRESS = "holder_silent", "gap", "no_progress"
+"""Why ``expire`` takes a lease back; counted as ``leases_revoked_<reason>``."""
+REVOKED_ALIVE_KEPT = 1024
+"""Leases revoked from a live holder remembered for ``tokens_revoked_alive``: the holder
+stops within a loop turn of being told, so only the latest few can still get chunks."""
 
 
 class LeaseTable:
@@ -49,6 +63,8 @@ class LeaseTable:
         """When each generator was last heard from (a lease, a chunk or a heartbeat)."""
         self.worker_versions: dict[str, int] = {}
         """The weights version each generator last reported."""
+        self.progress_at: dict[str, float] = {}
+        """When each lease out now last made progress: its issue, or its latest new chunk."""
 
     def lease(self, worker_id: str, capacity: int, now: float) -> list[Lease]:
         """Up to ``capacity`` leases for ``worker_id``: samples waiting first, then samples
@@ -70,6 +86,8 @@ class LeaseTable:
         counts = self._counts
         if where is None:
             counts["chunks_unknown_lease"] += 1  # revoked or already finished
+            if chunk.lease_id in self.state.revoked_alive:
+                counts["tokens_revoked_alive"] += len(chunk.token_ids)
             return
         if not (len(chunk.token_ids) == len(chunk.logprobs) == len(chunk.versions)):
             counts["chunks_malformed"] += 1
@@ -78,6 +96,7 @@ class LeaseTable:
         if chunk.seq < slot.next_seq or chunk.seq in slot.pending:
             counts["chunks_duplicate"] += 1
             return
+        self.progress_at[chunk.lease_id] = now
         slot.pending[chunk.seq] = chunk
         if slot.next_seq not in slot.pending and slot.gap_since is None:
             slot.gap_since = now  # a chunk before this one is missing (late, or lost)
@@ -99,37 +118,61 @@ class LeaseTable:
         if version is not None:
             self.worker_versions[worker_id] = version
 
-    def expire(self, now: float) -> list[str]:
-        """The leases to take back now: past their deadline, held by a silent generator, or
-        stuck behind a lost chunk. ``revoke`` takes them (the buffer process logs the list
-        between the two, so a replay needs no clock or heartbeats)."""
-        expired = []
+    def expire(self, now: float) -> dict[str, str]:
+        """The leases to take back now, lease id → reason (``holder_silent``, ``gap`` or
+        ``no_progress``, as in the module docstring); a lease that keeps getting chunks is
+        never among them, however long it runs. ``revoke`` takes them (the buffer process
+        logs them between the two, so a replay needs no clock or heartbeats)."""
+        cfg, expired = self.cfg, {}
         for lease_id, (group_id, index) in self.active.items():
-            slot = self.state.groups[group_id].slots[index]
-            silent = now - self.last_seen.get(slot.worker_id, now) > self.cfg.heartbeat_timeout_s
-            gap = slot.gap_since is not None and now - slot.gap_since > self.cfg.gap_timeout_s
-            if now > slot.deadline or silent or gap:
-                expired.append(lease_id)
+            slot = self._groups[group_id].slots[index]
+            if now - self.last_seen.get(slot.worker_id, now) > cfg.heartbeat_timeout_s:
+                expired[lease_id] = HOLDER_SILENT
+            elif slot.gap_since is not None and now - slot.gap_since > cfg.gap_timeout_s:
+                expired[lease_id] = GAP
+            elif now - self.progress_at.get(lease_id, now) > cfg.progress_timeout_s:
+                expired[lease_id] = NO_PROGRESS
         return expired
 
-    def revoke(self, lease_ids: list[str]) -> None:
-        """Take these leases back; each sample goes first in line to be leased again, with
-        the tokens already assembled as the next holder's prefix."""
-        for lease_id in lease_ids:
+    def revoke(
+        self, lease_ids: list[str], reasons: list[str] | None = None
+    ) -> dict[str, list[str]]:
+        """Take these leases back, for ``reasons`` as ``expire`` gave them (None: counted
+        as re-issued only); each sample goes first in line to be leased again, with the
+        tokens already assembled as the next holder's prefix. Returns the leases whose
+        holder is alive, by holder: the ones to tell to abort them."""
+        counts, tell = self.state.counts, {}
+        for lease_id, reason in zip(lease_ids, reasons or [None] * len(lease_ids)):
             where = self.active.pop(lease_id, None)
             if where is None:
                 continue
             group_id, index = where
             slot = self.state.groups[group_id].slots[index]
+            holder = slot.worker_id
             slot.lease_id, slot.worker_id, slot.pending, slot.gap_since = None, None, {}, None
+            self.progress_at.pop(lease_id, None)
             self.state.to_lease.insert(0, (group_id, index))  # first in line; keeps its tokens
-            self.state.counts["leases_reissued"] += 1
+            counts["leases_reissued"] += 1
+            if reason is not None:
+                counts[f"leases_revoked_{reason}"] += 1
+            if reason in (GAP, NO_PROGRESS):
+                self._remember_revoked_alive(lease_id, holder)
+                tell.setdefault(holder, []).append(lease_id)
+        return tell
 
     def alive_since(self, now: float) -> None:
-        """Give every lease holder a full heartbeat timeout from ``now`` to show it is alive
-        (after a restart)."""
+        """Give every lease holder a full heartbeat timeout, and every lease a full
+        progress timeout, from ``now`` (after a restart: the time the buffer was down is
+        not its holders' doing, and their chunks sent meanwhile may still be on their way)."""
         groups = self.state.groups
         self.last_seen = {groups[g].slots[i].worker_id: now for g, i in self.active.values()}
+        self.progress_at = dict.fromkeys(self.active, now)
+
+    def _remember_revoked_alive(self, lease_id: str, holder: str) -> None:
+        revoked = self.state.revoked_alive
+        revoked[lease_id] = holder
+        if len(revoked) > REVOKED_ALIVE_KEPT:
+            del revoked[next(iter(revoked))]  # the oldest
 
     def _issue(self, group_id: int, index: int, worker_id: str, now: float) -> Lease:
         st = self.state
@@ -137,8 +180,9 @@ class LeaseTable:
         slot = group.slots[index]
         slot.lease_id = f"{self.run_id}:{st.next_lease}"
         st.next_lease += 1
-        slot.worker_id, slot.deadline, slot.next_seq = worker_id, now + self.cfg.lease_timeout_s, 0
+        slot.worker_id, slot.next_seq = worker_id, 0
         self.active[slot.lease_id] = (group_id, index)
+        self.progress_at[slot.lease_id] = now
         st.counts["leases_issued"] += 1
         return Lease(
             run_id=self.run_id,
@@ -148,7 +192,6 @@ class LeaseTable:
             sample_index=index,
             prompt_ids=group.prompt_ids,
             sampling=self.sampling,
-            deadline=slot.deadline,
             prefix_ids=list(slot.token_ids),
             prefix_logprobs=list(slot.logprobs),
             prefix_versions=list(slot.versions),
@@ -156,9 +199,11 @@ class LeaseTable:
 
     def _finish(self, group_id: int, slot: Slot, reason: str | None) -> None:
         del self.active[slot.lease_id]
+        self.progress_at.pop(slot.lease_id, None)
         slot.lease_id, slot.finish_reason = None, reason
         group = self.state.groups[group_id]
         if reason == "error":  # the group fails: its other samples' leases end with it
             for other in group.slots:
                 self.active.pop(other.lease_id, None)
+                self.progress_at.pop(other.lease_id, None)
         self.groups.finished(group, slot)

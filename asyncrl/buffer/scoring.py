@@ -129,10 +129,13 @@ def buffer_counters(buffer: RolloutBuffer, scoring: Scoring | InlineScoring) -> 
     logs them; so does the colocated placement, which drives the same state machine)."""
     st, versions = buffer.state, buffer.leases.worker_versions
     out = {f"buffer/{k}": float(v) for k, v in st.counts.items()}
+    # Wasted work that should stay 0: logged from the start, so a run shows 0, not nothing.
+    out.setdefault("buffer/tokens_revoked_alive", 0.0)
     out["buffer/in_flight_samples"] = float(buffer.in_flight())
     out["buffer/in_flight_tokens"] = float(buffer.in_flight_tokens())
     out.update({f"buffer/staleness_{k}": float(v) for k, v in sorted(st.staleness.items())})
     out["buffer/ready_groups"] = float(len(st.ready))
+    out["buffer/steps_waited_for_stragglers"] = float(buffer.batches.steps_waited)
     out["buffer/version"] = float(st.version)
     out["buffer/newest_consumed_version"] = float(st.newest_consumed_version)
     if versions:

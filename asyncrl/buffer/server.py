@@ -3,7 +3,9 @@
 Sockets it binds (endpoints published in ``RUN_DIR/endpoints/buffer.json``):
 
     chunks   PULL    Chunk and Heartbeat messages from generators
-    leases   ROUTER  LeaseRequest from generators, answered with LeaseGrant once it has one
+    leases   ROUTER  LeaseRequest from generators, answered with LeaseGrant once it has one;
+                     LeaseRevoked to a live generator whose leases were taken back, and to
+                     one that streams into a lease the buffer no longer has
     trainer  ROUTER  BatchRequest from trainer ranks (answered with Batch once the step's
                      batch is complete; the same share again if asked again), VersionAnnounce
                      and CheckpointAnnounce
@@ -64,6 +66,7 @@ from asyncrl.wire import (
     Heartbeat,
     LeaseGrant,
     LeaseRequest,
+    LeaseRevoked,
     VersionAnnounce,
     WireDecoder,
     encode,
@@ -99,6 +102,8 @@ class BufferServer:
         self.decoder = WireDecoder(cfg.run_id)
         self.lease_waiting: dict[bytes, LeaseRequest] = {}
         self.batch_waiting: dict[bytes, BatchRequest] = {}
+        self.to_tell: dict[str, set[str]] = {}
+        """Generator → leases it holds that the buffer took back, to send in LeaseRevoked."""
         self.stop_event = threading.Event()
         self.journal = Journal(buffer)  # every input to the buffer goes through it
         self.wal: WriteAheadLog | None = None  # set up by recover()
@@ -163,8 +168,9 @@ class BufferServer:
                     self._drain(self.trainer, self._on_trainer_socket, now)
                 self.scoring.pump(self.buffer, self.journal.reward)
                 if now - last_expire > 0.25:
-                    self.journal.expire(now)
+                    self._tell(self.journal.expire(now))
                     last_expire = now
+                self._send_revocations()
                 self._answer_waiting(now)
                 if self.wal is not None:
                     self.wal.flush()
@@ -211,6 +217,10 @@ class BufferServer:
     def _on_chunk_socket(self, frames, now: float) -> None:
         msg = self._receive(frames, "chunks socket", routed=False)
         if isinstance(msg, Chunk):
+            if msg.lease_id not in self.buffer.leases.active:
+                # Its holder missed the LeaseRevoked (it was presumed dead, the message was
+                # lost, or the lease ended with its failed group): tell it (again).
+                self._tell({msg.worker_id: [msg.lease_id]})
             self.journal.chunk(msg, now)
         elif isinstance(msg, Heartbeat):
             self.buffer.leases.on_heartbeat(msg.worker_id, now, msg.version)
@@ -234,6 +244,24 @@ class BufferServer:
             self.journal.checkpointed(msg.step)
         else:
             self._unexpected(msg, "trainer socket")
+
+    def _tell(self, revoked: dict[str, list[str]]) -> None:
+        for worker_id, lease_ids in revoked.items():
+            self.to_tell.setdefault(worker_id, set()).update(lease_ids)
+
+    def _send_revocations(self) -> None:
+        """Tell each generator in ``to_tell`` to abort those leases, on the leases socket
+        (its DEALER's identity is its worker id; a generator not connected is skipped)."""
+        if not self.to_tell:
+            return
+        if self.wal is not None:
+            self.wal.flush()  # logged first: a restart never hands back a lease its holder dropped
+        for worker_id, lease_ids in self.to_tell.items():
+            msg = LeaseRevoked(
+                run_id=self.cfg.run_id, worker_id=worker_id, lease_ids=sorted(lease_ids)
+            )
+            self.leases.send_multipart([worker_id.encode(), encode(msg)])
+        self.to_tell.clear()
 
     def _answer_waiting(self, now: float) -> None:
         # What is answered is logged first: a reply never shows state a restart would lose.

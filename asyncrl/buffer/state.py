@@ -25,8 +25,6 @@ class Slot(msgspec.Struct):
     """The lease generating it now; None when not leased (waiting, or finished)."""
     worker_id: str | None = None
     """The generator holding ``lease_id``."""
-    deadline: float = 0.0
-    """When the lease expires (``BufferConfig.lease_timeout_s`` after it was issued)."""
     next_seq: int = 0
     """The chunk sequence number assembled next."""
     pending: dict[int, Chunk] = msgspec.field(default_factory=dict)
@@ -78,6 +76,9 @@ class BufferState(msgspec.Struct):
     next_lease: int = 0
     to_lease: list[tuple[int, int]] = msgspec.field(default_factory=list)
     """(group id, slot index) of samples waiting for a lease, first in line first."""
+    revoked_alive: dict[str, str] = msgspec.field(default_factory=dict)
+    """Lease id → holder of the latest leases taken back while their holder was alive,
+    oldest first: tokens that still arrive for them are wasted work, counted."""
     # Batches (BatchServer).
     served: dict[int, list[list[Sample]]] = msgspec.field(default_factory=dict)
     """Step → per-rank shares, kept after serving until a trainer checkpoint covers the

@@ -66,6 +66,8 @@ class Checkpointed(Event):
 
 class Revoked(Event):
     lease_ids: list[str]
+    reasons: list[str] = []
+    """Why each was taken back (``LeaseTable.expire``); may be empty (re-issued, no reason)."""
 
 
 AnyEvent = Leased | Chunked | Rewarded | Batched | Versioned | Checkpointed | Revoked
@@ -181,12 +183,15 @@ class Journal:
         self.buffer.batches.checkpointed(step)
         self._record(Checkpointed(step))
 
-    def expire(self, now: float) -> int:
+    def expire(self, now: float) -> dict[str, list[str]]:
+        """Take back the leases due now; returns those whose holder is alive, by holder,
+        for the buffer process to tell (a replay tells nobody: it calls ``revoke``)."""
         expired = self.buffer.leases.expire(now)
-        if expired:
-            self.buffer.leases.revoke(expired)
-            self._record(Revoked(expired))
-        return len(expired)
+        if not expired:
+            return {}
+        lease_ids, reasons = list(expired), list(expired.values())
+        self._record(Revoked(lease_ids, reasons))
+        return self.buffer.leases.revoke(lease_ids, reasons)
 
     def apply(self, event: AnyEvent) -> None:
         """Replay one logged event."""
@@ -203,8 +208,8 @@ class Journal:
                 self.version(version, resumed)
             case Checkpointed(step):
                 self.checkpointed(step)
-            case Revoked(lease_ids):
-                self.buffer.leases.revoke(lease_ids)
+            case Revoked(lease_ids, reasons):
+                self.buffer.leases.revoke(lease_ids, reasons)
 
 
 def replay(buffer: RolloutBuffer, data: bytes) -> int:

@@ -14,8 +14,8 @@ double-buffered (DESIGN §5): ``stage_weights`` hands a state dict (or one read 
 directory) to a background thread that puts it into the idle copy of the model while
 decoding goes on with the active one; the next ``step`` swaps the two by reference, so a
 flip costs no copy on the decode path. In-flight sequences then follow ``flip_policy``:
-``recompute`` re-prefills their tokens under the new weights (AReaL's interruptible
-generation), ``keep`` continues on the old cache.
+``keep`` (the default) continues on the old cache, ``recompute`` re-prefills their tokens
+under the new weights (AReaL's interruptible generation).
 """
 
 from __future__ import annotations
@@ -51,8 +51,13 @@ class EmbeddedEngineConfig:
     """Requests admitted in one step with identical tokens (a GRPO group's samples of one
     prompt) are prefilled once: the others get a copy of its K/V and sample their first
     token from its logits. Off prefills each, for the equivalence test and the ablation."""
-    flip_policy: Literal["recompute", "keep"] = "recompute"
-    """What in-flight sequences do when new weights are flipped in."""
+    flip_policy: Literal["recompute", "keep"] = "keep"
+    """What in-flight sequences do when new weights are flipped in. ``keep`` continues on
+    the K/V cached under the weights they were computed with (PipelineRL, PRIME-RL, SkyRL):
+    a flip costs no step time, and every token carries the version that sampled it, which
+    the decoupled loss corrects for. ``recompute`` re-prefills every running sequence under
+    the new weights (AReaL): one step that costs a prefill of everything in flight, which
+    grows with completion length. docs/results.md compares the two on learning."""
     threads: int = 0
     """torch intra-op threads; 0 leaves torch's default."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

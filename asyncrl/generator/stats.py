@@ -12,6 +12,15 @@ Every ``metrics.interval_s`` it logs ``window()`` as ``generator/*`` scalars, an
   ended while an update was between its frames' arrival and its flip, and the flip step
   itself (which re-prefills under ``recompute``) — and **steady** steps;
 - per update, seconds from the frames' arrival to staged (ready to flip) and to the flip;
+- **slot occupancy** (``slot_occupancy``): the mean share of the engine's slots (running
+  plus free) in use, weighted by loop-turn wall time, idle turns counting as none in use;
+  reported once the loop passes each step's output and status to ``on_output``;
+- per weights version, the **tail** of its batch: seconds from the finish by which 90% of
+  the leases finished under it were done to the last one (``tail_s``, summed over the
+  versions closed, i.e. replaced by a newer one, ``tail_batches``), against the version's
+  generation seconds, from its first engine step to its last finish (``batch_gen_s``);
+  ``tail_s_mean`` and ``tail_fraction`` follow. Under ``max_staleness`` 0 the leases of
+  a version are one batch, and the tail is the time the last 10% of it holds the step up;
 - in the summary only, steady step times **by active batch size** (``steady_step_by_batch``:
   per bucket of sequences in the step, the steps, their seconds, sequences and, when the
   caller passes them, prompt tokens prefilled), which is what ``asyncrl.sim`` calibrates
@@ -23,14 +32,18 @@ once it is whole, so "update" starts at arrival, not at the first byte.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:  # annotations only: the engine module imports torch, these stats need not
+    from asyncrl.engine.base import EngineStatus, StepOutput
 
 
 def step_time_stats(prefix: str, seconds: Sequence[float]) -> dict[str, float]:
@@ -93,8 +106,14 @@ class _Totals:
     update_step_s: array = field(default_factory=lambda: array("d"))
     stage_s: list[float] = field(default_factory=list)
     flip_s: list[float] = field(default_factory=list)
+    slot_s: float = 0.0
+    """Seconds of the turns whose slot occupancy is known (every idle turn)."""
+    busy_slot_s: float = 0.0
+    """Σ over those turns of seconds × the fraction of the engine's slots in use."""
+    tails: list[tuple[float, float]] = field(default_factory=list)
+    """(batch generation seconds, tail seconds) of each weights version closed."""
 
-    def scalars(self) -> dict[str, float]:
+    def scalars(self, sees_slots: bool) -> dict[str, float]:
         steps = len(self.steady_step_s) + len(self.update_step_s)
         out = {
             "window_s": self.seconds,
@@ -112,14 +131,57 @@ class _Totals:
         if self.flip_s:
             out["weight_flip_s"] = sum(self.flip_s) / len(self.flip_s)
             out["weight_flip_s_max"] = max(self.flip_s)
+        if sees_slots and self.slot_s > 0:
+            out["slot_occupancy"] = self.busy_slot_s / self.slot_s
+        if self.tails:
+            gen_s, tail_s = (sum(t[i] for t in self.tails) for i in (0, 1))
+            out.update(tail_batches=float(len(self.tails)), batch_gen_s=gen_s, tail_s=tail_s)
+            out["tail_s_mean"] = tail_s / len(self.tails)
+            out["tail_fraction"] = tail_s / gen_s if gen_s > 0 else 0.0
         return out
+
+
+def batch_tail(began: float, finishes: Sequence[float]) -> tuple[float, float]:
+    """(generation seconds, tail seconds) of the leases finished under one weights
+    version: from ``began`` (the start of the first engine step that ran under it) to the
+    last finish, and from the finish by which 90% of them were done to the last."""
+    done = sorted(finishes)
+    p90 = done[math.ceil(0.9 * len(done)) - 1]
+    return done[-1] - began, done[-1] - p90
+
+
+class VersionFinishes:
+    """When the leases finished under the weights version in use: opened by the first
+    engine step under a version, closed by the first step under another."""
+
+    def __init__(self) -> None:
+        self.version: int | None = None
+        self.began = 0.0
+        self.finishes: list[float] = []
+
+    def step(
+        self, version: int, began: float, ended: float, finished: int
+    ) -> tuple[float, float] | None:
+        """One engine step that ran under ``version`` from ``began`` to ``ended`` and
+        finished ``finished`` leases; returns the (generation, tail) seconds of the
+        version it closed, None if it closed none (or one with no finish)."""
+        closed = None
+        if version != self.version:
+            closed = self.close()
+            self.version, self.began, self.finishes = version, began, []
+        self.finishes += [ended] * finished
+        return closed
+
+    def close(self) -> tuple[float, float] | None:
+        return batch_tail(self.began, self.finishes) if self.finishes else None
 
 
 class GeneratorStats:
     """Counters of one generator process; the weights thread calls the ``weights_*``
     methods, the decode loop everything else."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock  # seconds; tests drive their own
         self._window, self._total = _Totals(), _Totals()
         self._by_batch = _ByBatch()  # whole run only
         self.weights_received = 0
@@ -127,12 +189,16 @@ class GeneratorStats:
         self._receiving = False  # frames in hand, not yet offered to the engine
         self._arrived: dict[int, float] = {}  # offered version -> arrival, until flipped in
         self._staged: set[int] = set()  # offered versions already seen staged
+        self._step_began: float | None = None  # clock at the start of the last engine step
+        self._occupied: float | None = None  # slot fraction of this turn's step, if told
+        self._sees_slots = False  # the caller reports slots (on_output)
+        self._versions = VersionFinishes()
 
     # ---- weights thread ----------------------------------------------------------------
     def weights_arriving(self) -> float:
         with self._lock:
             self._receiving = True
-        return time.perf_counter()
+        return self._clock()
 
     def weights_offered(self, version: int, arrived: float) -> None:
         with self._lock:
@@ -152,7 +218,7 @@ class GeneratorStats:
 
     def observe_weights(self, version: int, staged_version: int) -> None:
         """Note updates the engine has staged (``staged_version``) or flipped (``version``)."""
-        now, stage_s, flip_s = time.perf_counter(), [], []
+        now, stage_s, flip_s = self._clock(), [], []
         with self._lock:
             for v, arrived in list(self._arrived.items()):
                 # v == version unseen as staged: staged and flipped within one loop turn.
@@ -173,22 +239,44 @@ class GeneratorStats:
     ) -> None:
         """One engine step: ``tokens`` is one per sequence in it (its active batch);
         ``prefill_tokens``, when known, the prompt tokens it prefilled."""
+        self._step_began = self._clock() - seconds
         for t in (self._window, self._total):
             (t.update_step_s if during_update else t.steady_step_s).append(seconds)
             t.tokens += tokens
         if not during_update:
             self._by_batch.add(seconds, tokens, prefill_tokens)
 
+    def on_output(self, out: StepOutput, before: EngineStatus) -> None:
+        """What the engine step just counted by ``on_step`` returned, and the engine's
+        status before it: the share of its slots the step worked on (the running requests
+        and the waiting ones it could admit) and the leases it finished (aborts aside)
+        under its weights version, for the version's tail."""
+        slots = before.running + before.free_slots
+        busy = before.running + min(before.waiting, before.free_slots)
+        self._occupied, self._sees_slots = (busy / slots if slots > 0 else 0.0), True
+        finished = sum(f.reason != "abort" for f in out.finished)
+        now = self._clock()
+        began = now if self._step_began is None else self._step_began
+        closed = self._versions.step(out.version, began, now, finished)
+        if closed is not None:
+            for t in (self._window, self._total):
+                t.tails.append(closed)
+
     def on_loop(self, seconds: float, stepped: bool) -> None:
-        """One turn of the decode loop; a turn without an engine step is idle time."""
+        """One turn of the decode loop; a turn without an engine step is idle time (and
+        no slot in use); a stepped one has the occupancy ``on_output`` gave it, if any."""
+        occupied, self._occupied = self._occupied, None
         for t in (self._window, self._total):
             t.seconds += seconds
             if not stepped:
                 t.idle_s += seconds
+            if not stepped or occupied is not None:
+                t.slot_s += seconds
+                t.busy_slot_s += seconds * (occupied or 0.0)
 
     def window(self, version: int) -> dict[str, float]:
         """``generator/*`` scalars since the previous call; starts a new window."""
-        scalars = self._window.scalars()
+        scalars = self._window.scalars(self._sees_slots)
         self._window = _Totals()
         scalars.update(weights_received=float(self.weights_received), version=float(version))
         return {f"generator/{k}": v for k, v in scalars.items()}
@@ -196,7 +284,7 @@ class GeneratorStats:
     def summary(self, version: int) -> dict[str, Any]:
         """The whole run's figures (this process's life) under plain names, and the steady
         step times by batch size (``steady_step_by_batch``, the one nested entry)."""
-        out: dict[str, Any] = self._total.scalars()
+        out: dict[str, Any] = self._total.scalars(self._sees_slots)
         out["loop_s"] = out.pop("window_s")
         out.update(weights_received=float(self.weights_received), version=float(version))
         out["steady_step_by_batch"] = self._by_batch.table()

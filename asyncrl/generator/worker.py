@@ -4,7 +4,9 @@ It drives its engine through the ``Engine`` protocol only (``asyncrl.interfaces`
 asks the buffer for as many leases as the engine's status shows free slots, submits each
 as an engine request (prompt plus any prefix an earlier holder generated), steps the
 engine, and flushes each lease's new tokens as a ``Chunk`` every ``chunk_tokens`` tokens
-or ``chunk_ms`` milliseconds, whichever comes first. It sends heartbeats with its weights
+or ``chunk_ms`` milliseconds, whichever comes first. A lease the buffer takes back
+(``LeaseRevoked``: no progress, or a chunk lost) is aborted in the engine and its unsent
+tokens dropped, so its slot goes to new work. It sends heartbeats with its weights
 version, and a background thread receives weight updates from the trainer's PUB socket
 (tensors, or a directory on disk) and hands them to ``stage_weights``, so decoding never
 waits for a transfer. ``engine.backend`` picks the engine: the embedded one in this
@@ -41,6 +43,7 @@ from asyncrl.wire import (
     Heartbeat,
     LeaseGrant,
     LeaseRequest,
+    LeaseRevoked,
     WeightsAnnounce,
     WeightsOnDisk,
     WireDecoder,
@@ -68,6 +71,7 @@ class GeneratorWorker:
         self.lineage = ""  # of the weights we run (see WeightsAnnounce.lineage)
         self.stop_event = threading.Event()
         self.tokens_sent = 0
+        self.leases_aborted = 0  # taken back by the buffer while this generator held them
         self.stats = GeneratorStats()
         self.metrics = MetricsLogger(cfg.run_dir, f"generator_{worker_id}", cfg.metrics)
         self._weights = threading.Thread(target=self._receive_weights, name="weights", daemon=True)
@@ -117,18 +121,29 @@ class GeneratorWorker:
             self.asked = time.monotonic()
 
     def _take_leases(self, block_ms: int) -> None:
-        if not self.dealer.poll(block_ms):
-            return
-        msg = self.decoder.try_decode(self.dealer.recv(copy=False).buffer, "leases socket")
-        self.asked = 0.0
-        if not isinstance(msg, LeaseGrant):
-            if msg is not None:
+        """Handle what the buffer sent on the leases socket: grants, and revocations."""
+        while self.dealer.poll(block_ms):
+            block_ms = 0
+            msg = self.decoder.try_decode(self.dealer.recv(copy=False).buffer, "leases socket")
+            if isinstance(msg, LeaseRevoked):
+                self._abort(msg.lease_ids)
+                continue
+            self.asked = 0.0  # answered (a bad frame too: it was likely the grant)
+            if isinstance(msg, LeaseGrant):
+                now = time.time()
+                for lease in msg.leases:
+                    self.engine.submit(lease_request(lease))
+                    self.pending[lease.lease_id] = PendingLease(lease, last_flush=now)
+            elif msg is not None:
                 self.decoder.count("unexpected", f"{type(msg).__name__} on the leases socket")
-            return
-        now = time.time()
-        for lease in msg.leases:
-            self.engine.submit(lease_request(lease))
-            self.pending[lease.lease_id] = PendingLease(lease, last_flush=now)
+
+    def _abort(self, lease_ids: list[str]) -> None:
+        """Stop generating for leases the buffer took back; their unsent tokens are dropped
+        (the buffer would drop them too: the next holder continues from what it has)."""
+        for lease_id in lease_ids:
+            if self.pending.pop(lease_id, None) is not None:  # else finished meanwhile
+                self.engine.abort(lease_id)
+                self.leases_aborted += 1
 
     # ---- decoding ------------------------------------------------------------------
     def _step(self) -> None:
@@ -146,6 +161,7 @@ class GeneratorWorker:
         if prefilled is not None:
             prefilled = self.engine.status().prefill_tokens - prefilled
         self.stats.on_step(seconds, len(out.tokens), during_update, prefilled)
+        self.stats.on_output(out, status)
         self._record(out, time.time())
 
     # ---- metrics -------------------------------------------------------------------
@@ -209,7 +225,11 @@ class GeneratorWorker:
             kind="generator",
             version=status.version,
             running=status.running,
-            counters={"tokens_sent": float(self.tokens_sent), "bad_frames": float(bad)},
+            counters={
+                "tokens_sent": float(self.tokens_sent),
+                "bad_frames": float(bad),
+                "leases_aborted": float(self.leases_aborted),
+            },
         )
         self.push.send(encode(beat))
 

@@ -5,7 +5,7 @@ Admission is the real ``StalenessGate`` (lease while ``prompts_counted < (versio
 a filtered or stale group gives its count back and its prompt is re-leased first), the
 stale check at consumption is the gate's ``is_stale`` on a group's oldest token, and the
 staleness histogram counts each consumed sample at ``step − its oldest token's version``,
-all as in ``asyncrl.buffer.core``. Left out: lease deadlines and re-issue, failures, and
+all as in ``asyncrl.buffer.core``. Left out: lease timeouts and re-issue, failures, and
 scoring latency (a finished group is judged the moment its last sample arrives).
 """
 
@@ -114,10 +114,13 @@ class SimBuffer:
                 else:
                     fresh.append(group)
             self.ready, self._checked = fresh, len(fresh)
-        if len(self.ready) < self.cfg.prompts_per_batch:
+        if len(self.ready) < self.cfg.prompts_per_batch or self._straggler(step):
             return None
-        taken = [self.ready.popleft() for _ in range(self.cfg.prompts_per_batch)]
-        self._checked -= len(taken)
+        # Oldest tokens first, as ``BatchServer`` takes them.
+        ordered = sorted(self.ready, key=lambda g: (g.oldest_version, g.group_id))
+        taken = ordered[: self.cfg.prompts_per_batch]
+        self.ready = deque(ordered[self.cfg.prompts_per_batch :])
+        self._checked = len(self.ready)
         for group in taken:
             del self.groups[group.group_id]
             for s in group.samples:
@@ -125,6 +128,18 @@ class SimBuffer:
         self.counts["samples_consumed"] += sum(len(g.samples) for g in taken)
         self.counts["groups_consumed"] += len(taken)
         return taken
+
+    def _straggler(self, step: int) -> bool:
+        """A group still generating that would be too stale for the next step holds this
+        one (``stale_policy="wait"``), as in ``BatchServer``."""
+        eta = self.gate.max_staleness
+        if self.cfg.stale_policy != "wait" or eta is None:
+            return False
+        for group in self.groups.values():
+            started = [s.first_version for s in group.samples if s.first_version >= 0]
+            if group.finished < len(group.samples) and started and step - min(started) == eta:
+                return True
+        return False
 
     def in_flight(self) -> int:
         return sum(len(g.samples) for g in self.groups.values())

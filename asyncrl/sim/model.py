@@ -37,7 +37,7 @@ class SimConfig:
     """Torch threads per generator (``engine.embedded.threads``; 0 means every core)."""
     max_prefill_tokens: int = 2048
     """Prompt tokens an engine admits in one step."""
-    flip_policy: Literal["recompute", "keep"] = "recompute"
+    flip_policy: Literal["recompute", "keep"] = "keep"
     """At a weight flip, re-prefill running sequences (``recompute``) or not (``keep``)."""
     trainer_ranks: int = 1
     """FSDP ranks; each trains ``1/ranks`` of a step's tokens (the gradient all-reduce is
@@ -50,6 +50,8 @@ class SimConfig:
     """n: samples per group."""
     max_staleness: int | None = 2
     """η; None: unbounded. The colocated placement forces 0, as ``RLExperiment`` does."""
+    stale_policy: Literal["wait", "drop"] = "wait"
+    """``BufferConfig.stale_policy``: hold a step for a group that would turn stale, or not."""
     dynamic_sampling: bool = True
     """Drop groups with all-equal rewards (with the calibrated probability) and lease more."""
     max_new_tokens: int = 8
@@ -167,12 +169,13 @@ def config_from_run(run_dir: str | Path, **overrides: Any) -> SimConfig:
         engine_slots=e["max_slots"],
         engine_threads=e.get("threads", 0),
         max_prefill_tokens=e.get("max_prefill_tokens", 2048),
-        flip_policy=e.get("flip_policy", "recompute"),
+        flip_policy=e.get("flip_policy", "keep"),
         trainer_ranks=t.get("num_ranks", 1),
         trainer_threads=t.get("threads_per_rank", 1),
         prompts_per_batch=b["prompts_per_batch"],
         samples_per_prompt=b["samples_per_prompt"],
         max_staleness=b["max_staleness"],
+        stale_policy=b.get("stale_policy", "drop"),  # runs from before the field dropped
         dynamic_sampling=b.get("dynamic_sampling", False),
         max_new_tokens=c["sampling"]["max_new_tokens"],
         eval_every=c.get("eval", {}).get("every_steps", 0),

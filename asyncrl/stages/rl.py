@@ -33,6 +33,7 @@ from asyncrl.stages.common import out_of_time, stage_clock, stage_main
 from asyncrl.stages.rl_batch import (
     add_reference_logprobs,
     frozen_policy_stats,
+    length_scalars,
     policy_loss,
     policy_updates,
     proximal_logprobs,
@@ -48,7 +49,7 @@ from asyncrl.trainer.checkpoint import (
     save_checkpoint,
 )
 from asyncrl.trainer.core import StepStats, TrainerCore
-from asyncrl.trainer.dist import DistInfo
+from asyncrl.trainer.dist import DistInfo, all_reduce_max
 from asyncrl.trainer.publish import NoWeightPublisher, weight_publisher
 from asyncrl.wire import Batch, Sample
 
@@ -90,7 +91,8 @@ def run(cfg: RLExperiment, info: DistInfo) -> dict:
         core.step += 1
         # 7. log, evaluate, checkpoint
         scalars = step_scalars(stats, waited, sync_s, batch.samples) | estimates
-        stop = out_of_time(r.start, cfg.time_limit_s, info)
+        scalars |= length_scalars(batch.samples, cfg, info.device)  # every rank joins
+        stop = out_of_time(r.start, cfg.time_limit_s, info) or reached(cfg, accuracy, info)
         last = core.step >= cfg.rl.max_steps or stop
         accuracy = log_step(r, cfg, scalars, accuracy, last)
         checkpoint_if_due(r, cfg, last)
@@ -191,6 +193,14 @@ def step_scalars(
         "rollout/reward": sum(rewards) / max(len(rewards), 1),
         **stats.metrics,
     }
+
+
+def reached(cfg: RLExperiment, accuracy: dict, info: DistInfo) -> bool:
+    """Whether the latest evaluation reached ``stop_at_accuracy``, agreed by all ranks (only
+    rank 0 evaluates). The step after it still runs and evaluates once more as the last."""
+    target = cfg.stop_at_accuracy
+    hit = target > 0 and accuracy.get("eval/accuracy", 0.0) >= target
+    return bool(all_reduce_max(int(hit), info.device))
 
 
 def log_step(r: RLParts, cfg: RLExperiment, scalars: dict, accuracy: dict, last: bool) -> dict:

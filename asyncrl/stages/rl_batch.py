@@ -2,7 +2,8 @@
 (DESIGN §6): group rewards to per-token advantages (or token rewards, for the critic),
 micro-batches, the logprobs of the step's starting weights (proximal) and of the frozen
 reference (for a KL term), the decoupled-PPO loss over a micro-batch, and the optimizer
-update(s) of a batch.
+update(s) of a batch; DAPO's overlong filtering (``trained_mask``), and the batch's
+completion-length figures (``length_scalars``).
 
 The proximal logprobs are a value the step passes around, ``[rows, T]`` per micro-batch:
 computed by a separate no-grad pass (``proximal_logprobs``), or returned by the first
@@ -38,12 +39,13 @@ def to_sequences(samples: list[Sample], cfg) -> list[TokenSequence]:
     (for PPO, token rewards: the critic computes the advantages).
 
     Samples arrive as whole groups (the buffer keeps a group on one rank), in group order.
+    Under ``rl.overlong_filter`` a truncated sample trains with loss mask 0 (``trained_mask``).
     """
     out = []
     for members in by_group(samples):
         rewards = torch.tensor([[s.reward for s in members]], dtype=torch.float32)
         if cfg.rl.overlong_cache:
-            lengths = torch.tensor([sum(s.loss_mask) for s in members])
+            lengths = torch.tensor([completion_length(s) for s in members])
             penalty = overlong_penalty(lengths, cfg.sampling.max_new_tokens, cfg.rl.overlong_cache)
             rewards = rewards + penalty  # [1, n] + [n]
         if cfg.rl.algorithm == "ppo":  # the critic turns token rewards into advantages later
@@ -53,15 +55,77 @@ def to_sequences(samples: list[Sample], cfg) -> list[TokenSequence]:
         else:
             adv = grpo_advantages(rewards, scale_by_std=cfg.rl.algorithm == "grpo")[0]
         for s, a in zip(members, adv.tolist()):
+            mask = trained_mask(s, cfg)
             per_token = (
                 {"rewards": reward_on_last_token(s.loss_mask, a)}
                 if cfg.rl.algorithm == "ppo"
-                else {"advantages": [a * m for m in s.loss_mask]}
+                else {"advantages": [a * m for m in mask]}
             )
-            out.append(
-                TokenSequence(s.token_ids, s.loss_mask, {"behavior": s.logprobs, **per_token})
-            )
+            out.append(TokenSequence(s.token_ids, mask, {"behavior": s.logprobs, **per_token}))
     return out
+
+
+def overlong_filtered(sample: Sample, cfg) -> bool:
+    """Whether ``rl.overlong_filter`` takes ``sample`` out of the loss: it was truncated."""
+    return cfg.rl.overlong_filter and sample.finish_reason == "length"
+
+
+def trained_mask(sample: Sample, cfg) -> list[int]:
+    """The loss mask the step trains ``sample`` with: its own, or all 0 when overlong
+    filtering drops it. Only the mask: its reward has already counted in its group's
+    baseline, as DAPO masks the loss of truncated samples and nothing else."""
+    return [0] * len(sample.loss_mask) if overlong_filtered(sample, cfg) else sample.loss_mask
+
+
+def completion_length(sample: Sample) -> int:
+    """Generated tokens of ``sample`` (its loss mask is 1 on exactly those)."""
+    return sum(sample.loss_mask)
+
+
+def length_scalars(samples: list[Sample], cfg, device: torch.device) -> dict[str, float]:
+    """The whole step batch's completion lengths, every rank's share (``cfg`` is an
+    ``RLExperiment``; every rank calls it: one collective over a histogram of lengths
+    0 … ``max_new_tokens``): ``length/p50``, ``/p90``, ``/p99``, ``/max``, ``/mean``,
+    ``/truncated_frac`` (finish reason ``length``) and ``/samples``; with
+    ``rl.overlong_filter``, the samples and completion tokens it took out of the loss."""
+    cap = cfg.sampling.max_new_tokens
+    counts = [0.0] * (cap + 1)
+    truncated = filtered_tokens = 0.0
+    for s in samples:
+        n = completion_length(s)
+        counts[min(n, cap)] += 1  # an engine stops at max_new_tokens: the clamp never bites
+        truncated += s.finish_reason == "length"
+        filtered_tokens += n if overlong_filtered(s, cfg) else 0
+    *counts, truncated, filtered_tokens = all_reduce_sum(
+        counts + [truncated, filtered_tokens], device
+    )
+    out = length_figures(counts)
+    if out:
+        out["length/truncated_frac"] = truncated / out["length/samples"]
+    if out and cfg.rl.overlong_filter:
+        out["train/overlong_filtered_samples"] = truncated
+        out["train/overlong_filtered_tokens"] = filtered_tokens
+    return out
+
+
+def length_figures(counts: list[float]) -> dict[str, float]:
+    """Percentiles (linear interpolation, as ``numpy.percentile``), max, mean and count of
+    the lengths whose histogram is ``counts`` (``counts[n]``: samples of length n); {} for
+    none."""
+    lengths = torch.repeat_interleave(
+        torch.arange(len(counts), dtype=torch.float64), torch.tensor(counts).round().long()
+    )
+    if not len(lengths):
+        return {}
+    p50, p90, p99 = torch.quantile(lengths, torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64))
+    return {
+        "length/p50": p50.item(),
+        "length/p90": p90.item(),
+        "length/p99": p99.item(),
+        "length/max": lengths.max().item(),
+        "length/mean": lengths.mean().item(),
+        "length/samples": float(len(lengths)),
+    }
 
 
 def by_group(samples: list[Sample]) -> list[list[Sample]]:

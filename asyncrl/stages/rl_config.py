@@ -37,6 +37,12 @@ class RLConfig:
     a step takes several optimizer updates)."""
     overlong_cache: int = 0
     """DAPO overlong shaping over this many tokens before ``max_new_tokens`` (0: off)."""
+    overlong_filter: bool = False
+    """DAPO overlong filtering: a truncated sample (finish reason ``length``, it reached
+    ``max_new_tokens``) gets loss mask 0 on its completion, so it adds nothing to the loss
+    nor to the token count the loss is averaged over. Its reward still counts in its
+    group's baseline: only its own loss terms go (with PPO, its value loss too). Logged
+    as ``train/overlong_filtered_samples`` and ``_tokens``."""
     export_dir: str = ""
     """Write the final policy as an HF directory here; empty means ``RUN_DIR/hf``."""
     loss: PPOLossConfig = field(default_factory=PPOLossConfig)
@@ -66,6 +72,9 @@ class RLExperiment:
     """Seed of everything random in the run."""
     time_limit_s: float = 0.0
     """End the run after this many seconds of training (0: no limit)."""
+    stop_at_accuracy: float = 0.0
+    """End the run once a held-out evaluation reaches this accuracy (0: never): studies of
+    the time to a target need not spend the rest of the budget."""
     num_generators: int = 1
     """Generator processes."""
     placement: Literal["async", "colocated"] = "async"

@@ -63,7 +63,9 @@ class TaskConfig:
     prompt_template: str = "{question}"
     """str.format template for the prompt; {question} is the raw question / row prompt."""
     completion_template: str = " {answer}"
-    """str.format template turning the reference {answer} into an SFT target completion."""
+    """str.format template turning the reference {answer} into an SFT target completion;
+    reasoning-gym datasets with worked solutions (``arithmetic_series``) also offer
+    {solution}."""
     answer_pattern: str | None = r"-?\d+"
     """Regex extracting the answer from a completion: last match, group 1 if the regex has a
     group. None: the stripped completion is the answer. The default suits integer answers."""
@@ -159,10 +161,11 @@ def check_template(template: str, name: str, fields: Sequence[str]) -> None:
         raise ValueError(f"{name} {template!r} cannot be formatted: {e}") from e
 
 
-def check_common(cfg: TaskConfig) -> None:
-    """Checks every source shares: templates and the answer pattern."""
+def check_common(cfg: TaskConfig, completion_fields: Sequence[str] = ("answer",)) -> None:
+    """Checks every source shares: templates and the answer pattern. A source whose rows
+    carry more than a reference answer (a worked solution) names those fields."""
     check_template(cfg.prompt_template, "prompt_template", ["question"])
-    check_template(cfg.completion_template, "completion_template", ["answer"])
+    check_template(cfg.completion_template, "completion_template", completion_fields)
     if cfg.answer_pattern is not None:
         try:
             re.compile(cfg.answer_pattern)

@@ -17,6 +17,8 @@ from typing import Any
 
 import reasoning_gym
 
+# Imported for its side effect: it registers the arithmetic_series dataset with reasoning-gym.
+from asyncrl.tasks import series  # noqa: F401
 from asyncrl.tasks.base import (
     Example,
     Split,
@@ -56,7 +58,7 @@ class ReasoningGymTask:
     """A reasoning-gym dataset as a task; see the module docstring."""
 
     def __init__(self, config: TaskConfig) -> None:
-        check_common(config)
+        check_common(config, ("answer", "solution"))
         self.config = config
         self._eval_candidates = max(1, config.eval_size * EVAL_CANDIDATES_PER_EXAMPLE)
         _check_seeds(config, self._eval_candidates)
@@ -136,11 +138,20 @@ class ReasoningGymTask:
     def _example(self, split: Split, index: int, entry: dict[str, Any]) -> Example:
         cfg = self.config
         answer = None if entry["answer"] is None else str(entry["answer"])
+        solution = (entry.get("metadata") or {}).get("solution")
+        if solution is None and "{solution}" in cfg.completion_template:
+            raise ValueError(
+                f"{self.name}: completion_template {cfg.completion_template!r} uses {{solution}} "
+                "but this dataset's entries have no metadata['solution']"
+            )
+        completion = None
+        if answer is not None:
+            completion = cfg.completion_template.format(answer=answer, solution=solution)
         return Example(
             uid=f"{split}:{index}",
             prompt=cfg.prompt_template.format(question=entry["question"]),
             answer=answer,
-            completion=None if answer is None else cfg.completion_template.format(answer=answer),
+            completion=completion,
             meta={"index": index, "entry": entry},
         )
 
