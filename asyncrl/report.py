@@ -31,6 +31,8 @@ Reads what the processes leave in RUN_DIR: ``metrics.jsonl`` (trainer steps with
     trained_mean_length, finished_        mean completion length of the samples trained on and
     mean_length, trained_vs_finished_     of all that finished, and their ratio (1: no length
     length                                bias from staleness handling or filters)
+    passed_filters_mean_length,          the same for the groups that passed the filters
+    trained_vs_passed_length             (dynamic sampling): the bias of staleness alone
     dropped                              {"stale"|"filtered"|"failed": {samples, tokens}}
     steps_waited_for_stragglers          steps the trainer held for a long sample
     tokens_revoked_alive                 tokens generated for leases revoked from a live holder
@@ -173,6 +175,7 @@ def buffer_figures(counters: dict[str, float]) -> dict[str, Any]:
 
     trained = _ratio(get("completion_tokens_consumed"), get("samples_consumed"))
     finished = _ratio(get("completion_tokens_finished"), get("samples_finished"))
+    ready = _ratio(get("completion_tokens_ready"), get("samples_ready"))
     dropped = {
         kind: {
             "samples": int(get(f"samples_{kind}")),
@@ -184,6 +187,8 @@ def buffer_figures(counters: dict[str, float]) -> dict[str, Any]:
         "trained_mean_length": trained,
         "finished_mean_length": finished,
         "trained_vs_finished_length": _ratio(trained or 0.0, finished) if trained else None,
+        "passed_filters_mean_length": ready,
+        "trained_vs_passed_length": _ratio(trained or 0.0, ready) if trained else None,
         "dropped": dropped,
         "steps_waited_for_stragglers": int(get("steps_waited_for_stragglers")),
         "tokens_revoked_alive": int(get("tokens_revoked_alive")),

@@ -71,6 +71,7 @@ def test_the_trainer_waits_for_a_straggler_that_would_turn_stale():
     assert counts["groups_stale"] == 0
     assert counts["samples_finished"] == counts["samples_consumed"] == 4
     assert counts["completion_tokens_finished"] == counts["completion_tokens_consumed"] == 48
+    assert counts["completion_tokens_ready"] == 48 and counts["samples_ready"] == 4
     buffer.check_accounting()
 
 
@@ -118,5 +119,6 @@ def test_the_report_compares_trained_and_finished_lengths_and_counts_drops():
     assert figures["trained_mean_length"] == 3.0  # group 1: two samples of 3 tokens
     assert figures["finished_mean_length"] == 48 / 4
     assert figures["trained_vs_finished_length"] == 0.25
+    assert figures["trained_vs_passed_length"] == 0.25  # no filter here: the same
     assert figures["dropped"]["stale"] == {"samples": 2, "tokens": 42}
     assert figures["tokens_revoked_alive"] == 0

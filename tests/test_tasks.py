@@ -305,13 +305,13 @@ def _series(**kwargs) -> object:
 def test_arithmetic_series_solutions_are_checked_worked_series():
     from asyncrl.tasks.series import worked_solution
 
-    assert worked_solution(13, 6, 7) == ("1:13 2:19 3:25 4:31 5:37 6:43 7:49", 49)
-    assert worked_solution(995, 9, 2) == ("1:995 2:1004", 1004)
+    assert worked_solution(13, 6, 7) == ("07:13 06:19 05:25 04:31 03:37 02:43 01:49", 49)
+    assert worked_solution(995, 9, 2) == ("02:995 01:1004", 1004)
     task = _series()
     for ex in task.examples("eval")[:50]:
         terms, start, step = (int(x) for x in re.findall(r"\d+", ex.prompt))
         written = [t.split(":") for t in ex.completion.split()]
-        assert [int(i) for i, _ in written] == list(range(1, terms + 1))
+        assert [int(i) for i, _ in written] == list(range(terms, 0, -1))
         assert [int(t) for _, t in written] == [start + step * i for i in range(terms)]
         assert ex.answer == written[-1][1] and task.score(ex, ex.completion) == 1.0
         assert task.score(ex, ex.completion + " 1") == 0.0

@@ -130,6 +130,11 @@ class GroupAssembler:
             st.counts["groups_filtered"] += 1
             return
         st.ready.append(group.group_id)
+        # What passed the filters, to tell a length bias of staleness handling (ready
+        # against trained) from the filters' own (dynamic sampling drops the groups a
+        # policy gets all wrong, the long ones more often).
+        st.counts["samples_ready"] += len(group.slots)
+        st.counts["completion_tokens_ready"] += sum(len(s.token_ids) for s in group.slots)
 
     def drop_stale(self, group: Group) -> None:
         """End a complete group too stale to train on; its prompt goes first in line to

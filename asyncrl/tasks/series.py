@@ -2,15 +2,19 @@
 series out, a reasoning task whose worked solutions vary in length by more than 10×.
 
 A problem is "n terms from a by d": what is the n-th term of a, a+d, a+2d, …? Its worked
-solution writes each term after its position, ``" 1:13 2:19 3:25"``, and the answer is the
-last number written. Every step depends only on the text just before it (the previous
-position plus one, the previous term plus d), and the chain ends when the position
-reaches the n of the prompt, so a tiny model learns the format quickly; a chain is right
-only if every term in it is. The number of terms is drawn so that most problems are short
+solution writes each term after the number of terms left, counting down,
+``" 03:13 02:19 01:25"``, and the answer is the last number written. Every step depends
+only on the text just before it (the count less one, the previous term plus d), every
+chain ends the same way, after the term counted 01, and every count has two digits (n
+too, in the prompt): short problems and long ones share one format and one stopping
+rule, so training on the short ones (which RL sees most, as long chains are more often
+all wrong and filtered) does not teach long ones to stop early. Chains counting up to n,
+or down from an unpadded n, did: RL on them lost held-out accuracy (docs/results.md). A
+chain is right only if every term in it is. The number of terms is drawn so that most problems are short
 and a few are long: with probability ``long_fraction`` it is log-uniform over
 [``short_max_terms`` + 1, ``max_terms``], else uniform over [2, ``short_max_terms``]. A
-term takes 5–8 characters, so the defaults give completions of 12 to 400 characters with
-p10 ≈ 13 and p99 ≈ 330 (one token per character with a character tokenizer): the long
+term takes 6–9 characters, so the defaults give completions of 15 to 400 characters with
+p10 ≈ 15 and p99 ≈ 320 (one token per character with a character tokenizer): the long
 tail that makes a synchronous batch wait for its slowest sample. The answer is checked
 exactly.
 
@@ -59,19 +63,21 @@ class ArithmeticSeriesConfig:
             )
         if self.max_step < 1:
             raise ValueError(f"max_step must be >= 1, got {self.max_step}")
-        if not 2 <= self.short_max_terms < self.max_terms:
+        if not 2 <= self.short_max_terms < self.max_terms <= 99:
             raise ValueError(
-                f"need 2 <= short_max_terms < max_terms, got {self.short_max_terms}, {self.max_terms}"
+                f"need 2 <= short_max_terms < max_terms <= 99 (counts have two digits), got "
+                f"{self.short_max_terms}, {self.max_terms}"
             )
         if not 0.0 <= self.long_fraction <= 1.0:
             raise ValueError(f"long_fraction must be in [0, 1], got {self.long_fraction}")
 
 
 def worked_solution(start: int, step: int, terms: int) -> tuple[str, int]:
-    """The solution text of "``terms`` terms from ``start`` by ``step``": each term with its
-    position first, ``"1:13 2:19 3:25"``, and the last term (the answer)."""
+    """The solution text of "``terms`` terms from ``start`` by ``step``": each term after
+    the number of terms left, two digits, counting down to 01, ``"03:13 02:19 01:25"``, and
+    the last term (the answer)."""
     series = [start + step * i for i in range(terms)]
-    return " ".join(f"{i + 1}:{term}" for i, term in enumerate(series)), series[-1]
+    return " ".join(f"{terms - i:02d}:{term}" for i, term in enumerate(series)), series[-1]
 
 
 class ArithmeticSeriesDataset(ProceduralDataset):
@@ -90,7 +96,7 @@ class ArithmeticSeriesDataset(ProceduralDataset):
             terms = rng.randint(2, cfg.short_max_terms)
         solution, last = worked_solution(start, step, terms)
         return {
-            "question": f"{terms} terms from {start} by {step}",
+            "question": f"{terms:02d} terms from {start} by {step}",
             "answer": str(last),
             "metadata": {"start": start, "step": step, "terms": terms, "solution": solution},
         }
