@@ -96,19 +96,20 @@ class BatchServer:
     def _take_groups(self, step: int) -> list[Group] | None:
         """Drop what became too stale (its prompt is leased again), then take B groups,
         oldest first, if there are B and no straggler must be waited for."""
-        st, fresh = self.state, []
+        st, oldest = self.state, {}
         for group_id in st.ready:
             group = st.groups[group_id]
-            if self.gate.is_stale(step, oldest_version(group, step)):
+            version = oldest_version(group, step)
+            if self.gate.is_stale(step, version):
                 self.groups.drop_stale(group)
             else:
-                fresh.append(group_id)
-        st.ready = fresh
+                oldest[group_id] = version
+        st.ready = fresh = list(oldest)
         if len(fresh) < self.cfg.prompts_per_batch or self._straggler(step):
             return None
         # Oldest tokens first, not first finished: a long group finishes late, and taking
         # groups in finishing order would leave it behind until it is too stale to train.
-        fresh.sort(key=lambda g: (oldest_version(st.groups[g], step), g))
+        fresh.sort(key=lambda g: (oldest[g], g))
         taken, st.ready = fresh[: self.cfg.prompts_per_batch], fresh[self.cfg.prompts_per_batch :]
         return [st.groups.pop(g) for g in taken]
 
