@@ -41,8 +41,11 @@ def _default_dataset_kwargs() -> dict[str, Any]:
 
 @dataclass
 class TaskConfig:
-    source: Literal["reasoning_gym", "jsonl"] = "reasoning_gym"
-    """Where examples come from: "reasoning_gym" (procedural, verified) or "jsonl" (files)."""
+    source: Literal["reasoning_gym", "jsonl", "dataset"] = "reasoning_gym"
+    """Where examples come from: "reasoning_gym" (procedural, verified), "jsonl" (asyncrl's
+    own strict row format, ``asyncrl.tasks.jsonl``) or "dataset" (local JSONL, JSON or
+    Parquet files in the common shapes, loaded with the ``datasets`` library and mapped by
+    ``fields``; ``asyncrl.tasks.dataset``)."""
     dataset: str = "basic_arithmetic"
     """reasoning-gym dataset name (source="reasoning_gym")."""
     dataset_kwargs: dict[str, Any] = field(default_factory=_default_dataset_kwargs)
@@ -57,9 +60,20 @@ class TaskConfig:
     eval_seed: int = 1_000_000_000
     """Seed of the eval split; must be far from `seed` (see `seed`), checked at build."""
     train_path: str | None = None
-    """JSONL file of train rows (source="jsonl")."""
+    """File of train rows (source="jsonl" or "dataset")."""
     eval_path: str | None = None
-    """JSONL file of eval rows (source="jsonl"); without it the eval split is an error."""
+    """File of eval rows (source="jsonl" or "dataset"); without it the eval split is an
+    error."""
+    fields: dict[str, str] = field(default_factory=dict)
+    """source="dataset": asyncrl's name → the file's column, for the names prompt, answer,
+    completion, messages, chosen, rejected and system; a name left out is read from the
+    column of the same name when there is one. GSM8K's files: {"prompt": "question"};
+    MATH's: {"prompt": "problem", "completion": "solution"}."""
+    reference: Literal["auto", "raw", "gsm8k", "boxed"] = "auto"
+    """How the reference answer is read from the answer (or completion) text of a
+    source="dataset" row: "gsm8k" takes what follows the last ``####``, "boxed" the
+    content of the last ``\\boxed{}``, "raw" the whole stripped text, and "auto" the first of
+    these that applies."""
     prompt_template: str = "{question}"
     """str.format template for the prompt; {question} is the raw question / row prompt."""
     completion_template: str = " {answer}"
@@ -69,6 +83,29 @@ class TaskConfig:
     answer_pattern: str | None = r"-?\d+"
     """Regex extracting the answer from a completion: last match, group 1 if the regex has a
     group. None: the stripped completion is the answer. The default suits integer answers."""
+    prompt_format: Literal["plain", "chat"] = "plain"
+    """How a prompt becomes tokens. "plain": the templated prompt text, with the special
+    tokens the tokenizer's post-processor adds (a Llama tokenizer's BOS; none for Qwen or
+    the tiny char tokenizer). "chat": the tokenizer's chat template over the system prompt
+    and the user turn (or a row's ``messages``), with the generation prompt; SFT and
+    preference completions are the assistant turn the template writes, through its
+    end-of-turn token. The same rendering serves SFT, RL, evaluation and preference data
+    (``asyncrl.tasks.prompts``)."""
+    system_prompt: str | None = None
+    """System message put first when prompt_format="chat" (a row's own system message
+    wins); None: none, or the template's default where it has one."""
+    rewards: dict[str, float] = field(default_factory=dict)
+    """Reward terms and their weights; the reward is the weighted sum. Terms: "task" (the
+    source's own check: reasoning-gym's verifier or exact match), "math" (math-verify
+    against the reference answer: LaTeX, \\boxed{}, fractions, GSM8K's ``####``),
+    "format" (1 when ``format_pattern`` matches the completion), or a user function
+    "module:function" called as ``function(example, completion) -> float``. Empty:
+    {"task": 1.0}. Every term runs in the reward pool, under its timeout. The sum is not
+    clipped (a negative weight is a penalty); a term that returns no finite number is an
+    error, scored 0. Evaluation counts a completion correct when its reward reaches 1
+    (``asyncrl.tasks.rewards``)."""
+    format_pattern: str = r"<answer>[\s\S]*?</answer>"
+    """Regex the "format" reward term searches the completion for."""
     rl_split: Literal["train", "unseen"] = "train"
     """Split that RL stages draw prompts from. "unseen" (reasoning_gym): problems in neither
     train nor eval, for RL after SFT on train: a small policy partly memorizes its SFT
@@ -99,6 +136,10 @@ class Example:
     """Preferred completion of a preference pair."""
     rejected: str | None = None
     """Dispreferred completion of a preference pair."""
+    messages: tuple[dict[str, str], ...] | None = field(default=None, hash=False)
+    """The conversation before the completion, as chat turns ({"role", "content"}), for
+    rows that come as conversations; rendered by the chat template. None: ``prompt`` is
+    the user turn."""
     meta: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     """Whatever the scorer needs (reasoning-gym: the dataset entry and its index)."""
 
