@@ -11,16 +11,21 @@ tokens added). The test pins it to transformers' greedy ``generate``, its former
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedTokenizerFast
 
 from asyncrl.engine.base import Request, SamplingParams
 from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from asyncrl.engine.stops import text_until_stop
 from asyncrl.models import ModelConfig
-from asyncrl.tasks import Example, Task
+from asyncrl.tasks import Example, Task, TaskConfig
+from asyncrl.tasks.prompts import PromptRenderer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -33,12 +38,24 @@ class EvalConfig:
     """Generation budget per completion."""
     batch_size: int = 100
     """Prompts decoded together (the evaluation engine's KV-cache slots)."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings, as ``SamplingConfig.stop``: a completion ends at the first token whose
+    text contains one, and the text scored is cut at it. Set here, like ``max_new_tokens``,
+    since SFT and DPO have no sampling config; an RL experiment evaluates as it samples by
+    giving it the same strings as ``sampling.stop``."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a completion besides EOS, as ``SamplingConfig.stop_token_ids``."""
+    keep_stop_text: bool = False
+    """Whether the text scored keeps the stop string or stop token's text, as
+    ``SamplingConfig.keep_stop_text``."""
 
 
 def tokenize_prompts(
-    tokenizer: PreTrainedTokenizerFast, examples: Sequence[Example]
+    tokenizer: PreTrainedTokenizerFast, task_cfg: TaskConfig, examples: Sequence[Example]
 ) -> list[list[int]]:
-    return [tokenizer(ex.prompt, add_special_tokens=False)["input_ids"] for ex in examples]
+    """The examples' prompts rendered as every stage renders them (``PromptRenderer``)."""
+    renderer = PromptRenderer.for_task(task_cfg, tokenizer)
+    return [renderer.prompt_ids(ex) for ex in examples]
 
 
 def make_eval_engine(
@@ -63,11 +80,22 @@ def greedy_completions(
 
 
 def greedy_generate(
-    engine: EmbeddedEngine, prompts: Sequence[list[int]], max_new_tokens: int
+    engine: EmbeddedEngine,
+    prompts: Sequence[list[int]],
+    max_new_tokens: int,
+    *,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
 ) -> tuple[list[list[int]], list[str]]:
-    """Greedy completion token ids of each prompt (without the final EOS), and each one's
-    finish reason ("length" when it was cut at ``max_new_tokens``)."""
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    """Greedy completion token ids of each prompt (without the final EOS; with the token
+    that completed a stop string or was a stop token), and each one's finish reason
+    ("length" when it was cut at ``max_new_tokens``, "stop" at a stop)."""
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=0.0,
+        stop=list(stop),
+        stop_token_ids=list(stop_token_ids),
+    )
     for i, prompt in enumerate(prompts):
         engine.submit(Request(f"eval-{i}", list(prompt), params))
     tokens: dict[str, list[int]] = {f"eval-{i}": [] for i in range(len(prompts))}
@@ -90,16 +118,29 @@ def greedy_accuracy(
     task: Task,
     examples: Sequence[Example],
     max_new_tokens: int,
+    *,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    keep_stop_text: bool = False,
 ) -> dict[str, float]:
     """Fraction of greedy completions with full marks, mean reward, completion length in
     tokens (mean and p10/p50/p90/p99) and the fraction cut at ``max_new_tokens``, under the
-    weights ``engine`` holds now."""
-    prompts = tokenize_prompts(tokenizer, examples)
-    completions, reasons = greedy_generate(engine, prompts, max_new_tokens)
-    scores = [
-        task.score(ex, tokenizer.decode(ids, skip_special_tokens=True))
-        for ex, ids in zip(examples, completions)
+    weights ``engine`` holds now. Completions end at the stop strings and tokens
+    (``EvalConfig.stop``…), and the text scored is cut there as the buffer's scoring cuts
+    it (``asyncrl.engine.stops``)."""
+    prompts = tokenize_prompts(tokenizer, task.config, examples)
+    completions, reasons = greedy_generate(
+        engine, prompts, max_new_tokens, stop=stop, stop_token_ids=stop_token_ids
+    )
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    texts = [
+        text_until_stop(decode, ids, stop, stop_token_ids, keep_stop_text) for ids in completions
     ]
+    rewards = [_score(task, ex, text) for ex, text in zip(examples, texts)]
+    scores = [0.0 if r is None else r for r in rewards]
     n = max(len(scores), 1)
     # Some verifiers give partial credit to well-formed wrong answers; accuracy counts
     # only full marks, the mean reward keeps the partial credit.
@@ -109,7 +150,19 @@ def greedy_accuracy(
         "eval/reward": sum(scores) / n,
         "eval/completion_tokens": sum(len(c) for c in completions) / n,
         "eval/truncated_frac": sum(r == "length" for r in reasons) / n,
+        "eval/reward_errors": float(rewards.count(None)),
     } | length_percentiles("eval/length", [len(c) for c in completions])
+
+
+def _score(task: Task, example: Example, text: str) -> float | None:
+    """The reward, or None where the reward function raises (logged): scored 0 and
+    counted, as the reward pool does, since a user's reward term failing on one
+    completion must not end the run."""
+    try:
+        return float(task.score(example, text))
+    except Exception as e:
+        log.warning("eval reward failed on %s: %r", example.uid, e)
+        return None
 
 
 def length_percentiles(prefix: str, lengths: Sequence[int]) -> dict[str, float]:

@@ -14,6 +14,7 @@ from asyncrl.engine.config import EngineConfig
 from asyncrl.metrics import MetricsConfig
 from asyncrl.models import ModelConfig, load_tokenizer
 from asyncrl.tasks import Task, TaskConfig, stream_index
+from asyncrl.tasks.prompts import PromptRenderer
 from asyncrl.transport import TransportConfig
 from asyncrl.wire import Lease, SamplingSpec
 
@@ -28,6 +29,20 @@ class SamplingConfig:
     """Nucleus sampling threshold."""
     top_k: int = 0
     """Top-k truncation (0: off)."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: a sample ends (finish reason ``stop``) at the first token whose decoded
+    completion (special tokens skipped) contains one, in both engines. That token stays in
+    the token ids the trainer trains on, as sglang and vLLM return it; the reward's text is
+    cut at the string (``keep_stop_text``). A sample resumed after an interruption is
+    checked from where it resumed; empty strings are ignored. See ``asyncrl.engine.stops``."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a sample (finish reason ``stop``) besides the model's EOS. The
+    token stays in the token ids; its text is left out of the reward's text unless
+    ``keep_stop_text`` (a special token's never shows)."""
+    keep_stop_text: bool = False
+    """Whether the reward's text keeps the stop string, cut right after it, or not (the
+    default), cut right before it: vLLM's ``include_stop_str_in_output``, sglang's
+    ``no_stop_trim``; likewise a final stop token's text. Token ids are never cut."""
 
     def spec(self) -> SamplingSpec:
         return SamplingSpec(
@@ -35,6 +50,8 @@ class SamplingConfig:
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
+            stop_token_ids=list(self.stop_token_ids),
+            stop=list(self.stop),
         )
 
 
@@ -62,19 +79,17 @@ class RolloutConfig:
 
 class TaskPrompts:
     """Prompt ``position`` of the stream (the task's ``rl_split`` examples, reshuffled every epoch),
-    tokenized; a pure function of (seed, position), so a restarted buffer resumes it."""
+    rendered (``PromptRenderer``); a pure function of (seed, position), so a restarted buffer resumes it."""
 
     def __init__(self, task: Task, tokenizer_path: str, seed: int) -> None:
         self.split = task.config.rl_split
         self.examples = task.examples(self.split)
-        self.tokenizer = load_tokenizer(tokenizer_path)
+        self.renderer = PromptRenderer.for_task(task.config, load_tokenizer(tokenizer_path))
         self.seed = seed
 
     def __call__(self, position: int) -> tuple[int, list[int]]:
         index = stream_index(self.seed, position, len(self.examples))
-        return index, self.tokenizer(self.examples[index].prompt, add_special_tokens=False)[
-            "input_ids"
-        ]
+        return index, self.renderer.prompt_ids(self.examples[index])
 
 
 def lease_request(lease: Lease) -> Request:
@@ -88,6 +103,7 @@ def lease_request(lease: Lease) -> Request:
         top_k=s.top_k,
         seed=s.seed,
         stop_token_ids=list(s.stop_token_ids),
+        stop=list(s.stop),
     )
     return Request(lease.lease_id, lease.prompt_ids + lease.prefix_ids, params)
 

@@ -51,12 +51,18 @@ class SamplingSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     top_k: int = 0
     seed: int | None = None
     stop_token_ids: list[int] = []
+    stop: list[str] = []
+    """Stop strings (``SamplingConfig.stop``); absent from older messages, which decode
+    with none."""
 
 
 class LeaseRequest(Message):
     worker_id: str
     capacity: int
     """How many more samples the generator can take now."""
+    incarnation: str = ""
+    """Unique per start of the generator process: a restart under the same ``worker_id``
+    shows as a new one, and the leases the dead process held are re-issued at once."""
 
 
 class Lease(Message):
@@ -113,6 +119,8 @@ class Heartbeat(Message):
     """Weights version the worker runs now."""
     running: int = 0
     counters: dict[str, float] = {}
+    incarnation: str = ""
+    """As ``LeaseRequest.incarnation`` (generators; trainers leave it empty)."""
 
 
 class BatchRequest(Message):

@@ -44,7 +44,7 @@ def hf_greedy_completions(
 def test_engine_greedy_accuracy_equals_hf_generate(tiny_model_dir, task):
     examples = task.examples("eval")[:40]
     tokenizer = load_tokenizer(tiny_model_dir)
-    prompts = tokenize_prompts(tokenizer, examples)
+    prompts = tokenize_prompts(tokenizer, task.config, examples)
     cfg = EvalConfig(max_new_tokens=12, batch_size=16)  # 40 prompts through 16 slots
     engine = make_eval_engine(
         ModelConfig(path=tiny_model_dir), cfg, max(map(len, prompts)), torch.device("cpu")
@@ -82,6 +82,17 @@ def test_engine_greedy_accuracy_equals_hf_generate(tiny_model_dir, task):
         "eval/length/p50": lengths[round(0.5 * (len(ref) - 1))],
         "eval/length/p90": lengths[round(0.9 * (len(ref) - 1))],
         "eval/length/p99": lengths[round(0.99 * (len(ref) - 1))],
+        "eval/reward_errors": 0.0,
     }
     assert not engine.running and engine.free_slots == cfg.batch_size  # nothing left behind
+
+    # A reward function that raises scores 0 and is counted; the evaluation goes on.
+    class Failing:
+        config = task.config
+
+        def score(self, example, completion):
+            raise ZeroDivisionError("a user's reward term")
+
+    errors = greedy_accuracy(engine, tokenizer, Failing(), examples, cfg.max_new_tokens)
+    assert errors["eval/reward_errors"] == len(examples) and errors["eval/reward"] == 0.0
     engine.close()

@@ -20,6 +20,7 @@ from asyncrl.models import ModelConfig, load_model, load_tokenizer
 from asyncrl.stages.dpo import reference_logprobs
 from asyncrl.stages.pairs import PairData, pair_micro_batches, split_pairs
 from asyncrl.stages.reward_model import completion_scores
+from asyncrl.tasks.prompts import PromptRenderer
 from asyncrl.trainer.config import TrainerConfig
 from asyncrl.trainer.logprobs import token_logprobs
 from asyncrl.trainer.packing import TokenSequence, make_micro_batches
@@ -191,7 +192,7 @@ def test_pair_data_errors_name_the_line(tiny_model_dir, tmp_path):
     with pytest.raises(
         Exception, match=r"pairs.jsonl:2: a preference row needs chosen and rejected"
     ):
-        PairData(str(path), tokenizer, seed=0)
+        PairData(str(path), PromptRenderer(tokenizer), seed=0)
 
 
 def addition_pairs(n: int, seed: int) -> list[dict]:
@@ -252,3 +253,29 @@ def test_a_short_stage_run_through_the_launcher(stage, tiny_model_dir, tmp_path)
         assert summary["final"][f"{prefix}loss"] != pytest.approx(math.log(2), abs=1e-4)
     model = load_model(ModelConfig(path=str(export), head="value" if stage == "rm" else "lm"))
     assert model is not None
+
+
+def test_pair_data_reads_a_parquet_file_through_the_field_map(tiny_model_dir, tmp_path):
+    """Preference pairs of the common shape in a file of the user's, columns named their
+    way: rendered as every stage renders prompts, each side through its end token."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from asyncrl.tasks import Example, TaskConfig
+
+    path = tmp_path / "prefs.parquet"
+    rows = {"question": ["1 + 2 =", "2 + 2 ="], "good": [" 3", " 4"], "bad": [" 4", " 5"]}
+    pq.write_table(pa.table(rows), path)
+    task = TaskConfig(
+        source="dataset",
+        train_path=str(path),
+        fields={"prompt": "question", "chosen": "good", "rejected": "bad"},
+    )
+    renderer = PromptRenderer(load_tokenizer(tiny_model_dir))
+    data = PairData(str(path), renderer, seed=0, task_cfg=task)
+    assert len(data) == 2
+    chosen, rejected = data.pairs[1]
+    prompt = renderer.prompt_ids(Example(uid="x", prompt="2 + 2 ="))
+    assert chosen.input_ids == prompt + renderer.completion_ids(Example("x", ""), " 4")
+    assert rejected.input_ids == prompt + renderer.completion_ids(Example("x", ""), " 5")
+    assert chosen.loss_mask == [0] * len(prompt) + [1] * (len(chosen.input_ids) - len(prompt))

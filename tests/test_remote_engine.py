@@ -22,17 +22,19 @@ import zmq
 
 from asyncrl.config import ConfigError, apply_overrides, load_json, save_json
 from asyncrl.engine import sglang_api as api
-from asyncrl.engine.base import Request, SamplingParams
+from asyncrl.engine.base import Finished, Request, SamplingParams
 from asyncrl.engine.config import EngineConfig
 from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from asyncrl.engine.remote import RemoteEngine
 from asyncrl.engine.servers import RemoteEngineConfig, write_weights_dir
 from asyncrl.metrics import read_metrics
-from asyncrl.models import ModelConfig, load_model
+from asyncrl.models import ModelConfig, load_model, load_tokenizer
 from asyncrl.stages.rl import RLExperiment
 from asyncrl.trainer.publish import DiskWeightPublisher, NcclWeightPublisher
 from asyncrl.transport import TransportConfig, make_socket, read_endpoints
 from asyncrl.wire import WeightsAnnounce, WeightsOnDisk, WireDecoder
+
+from .test_stops import first_stop
 
 ROOT = Path(__file__).resolve().parents[1]
 SGLANG = importlib.util.find_spec("sglang") is not None and torch.cuda.is_available()
@@ -143,6 +145,37 @@ def test_sampled_requests_and_stop_tokens(two_servers):
     assert tokens["s"][-1].token_id == stop_at
     assert finished["t"].num_tokens == len(tokens["t"]) >= 1
     assert all(math.isfinite(t.logprob) and t.logprob <= 0 for t in tokens["t"])
+
+
+def test_stop_strings_end_at_their_first_token(two_servers, tiny_model_dir):
+    """Each free greedy run gives a two-token stop string (its tokens 4 and 5, which may
+    occur earlier); with it the server ends the request at the first token whose decoded
+    completion holds it, that token included, and the engine reports the string."""
+    tokenizer = load_tokenizer(tiny_model_dir)
+    free_params = SamplingParams(max_new_tokens=12, temperature=0.0)
+    free = [Request(f"free{i}", p, free_params) for i, p in enumerate(PROMPTS)]
+    for r in free:
+        two_servers.submit(r)
+    tokens, _ = drain(two_servers, [r.request_id for r in free])
+    runs = {r.request_id: [t.token_id for t in tokens[r.request_id]] for r in free}
+    stops = {
+        rid: tokenizer.decode(ids[4:6])
+        for rid, ids in runs.items()
+        if len(ids) >= 6 and tokenizer.eos_token_id not in ids[:6]
+    }
+    assert len(stops) >= 3, runs
+    cut = [
+        Request(f"cut{rid}", PROMPTS[int(rid[4:])], SamplingParams(12, 0.0, stop=["?!", s]))
+        for rid, s in stops.items()
+    ]
+    for r in cut:
+        two_servers.submit(r)
+    tokens, finished = drain(two_servers, [r.request_id for r in cut])
+    for rid, stop in stops.items():
+        n = first_stop(tokenizer, runs[rid], [stop])
+        assert n is not None and n <= 6
+        assert [t.token_id for t in tokens[f"cut{rid}"]] == runs[rid][:n]
+        assert finished[f"cut{rid}"] == Finished(f"cut{rid}", "stop", n, stop)
 
 
 def test_abort_a_running_request(two_servers):
@@ -296,6 +329,17 @@ def test_sglang_protocol_reading():
     payload = api.generate_payload("r", [1, 2], SamplingParams(top_k=0, seed=3), 5)
     assert payload["sampling_params"] == {"max_new_tokens": 5, "temperature": 1.0, "top_p": 1.0}
     assert payload["stream"] and payload["return_logprob"]
+    stops = SamplingParams(stop=["\n\n"], stop_token_ids=[4])
+    assert api.generate_payload("r", [1], stops, 5)["sampling_params"] == {
+        "max_new_tokens": 5,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "stop_token_ids": [4],
+        "stop": ["\n\n"],
+    }
+    assert api.finish_reason({"type": "stop", "matched": "\n\n"}, {2}) == ("stop", False)
+    assert api.matched_stop({"type": "stop", "matched": "\n\n"}) == "\n\n"
+    assert api.matched_stop({"type": "stop", "matched": 2}) is None
 
 
 def test_disk_publisher_writes_loadable_versions_and_prunes(tiny_model_dir, tmp_path):

@@ -23,6 +23,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from asyncrl.engine.stops import trim_at_stop
 from asyncrl.models import load_tokenizer
 
 from .sglang_client import (
@@ -37,6 +38,7 @@ from .sglang_client import (
     until,
     wait_healthy,
 )
+from .test_stops import first_stop
 
 SGLANG = importlib.util.find_spec("sglang") is not None and torch.cuda.is_available()
 PROMPT_TEXT = "Calculate 5 - 33. "
@@ -141,6 +143,30 @@ def test_stop_token_ids_finish_with_the_matched_token(server, tokenizer, prompt)
         assert out["output_ids"] == free[:cut]
         assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
         assert out["text"] == tokenizer.decode(free[: cut - 1], skip_special_tokens=True)
+
+    run(server, test)
+
+
+def test_stop_strings_finish_with_the_matched_string(server, tokenizer, prompt):
+    """A stop string spanning two tokens ends the request at the first token whose
+    completion text holds it: that token is in ``output_ids``, the text is cut before the
+    string, or after it with ``no_stop_trim``."""
+
+    async def test(api: Api) -> None:
+        free = (await api.generate(greedy(prompt, 12)))["output_ids"]
+        assert len(free) >= 6 and tokenizer.eos_token_id not in free[:6], free
+        stop = tokenizer.decode(free[4:6])
+        cut = first_stop(tokenizer, free, [stop])
+        for keep in (False, True):
+            params = {"max_new_tokens": 12, "temperature": 0.0, "stop": ["?!", stop]}
+            params["no_stop_trim"] = keep
+            out = await api.generate(greedy(prompt, 12, sampling_params=params))
+            assert out["output_ids"] == free[:cut]
+            assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+            text = tokenizer.decode(free[:cut], skip_special_tokens=True)
+            if keep and server.kind != "embedded":
+                continue  # older sglang keeps the whole text, newer cuts it as asyncrl does
+            assert out["text"] == trim_at_stop(text, [stop], keep)[0]
 
     run(server, test)
 
@@ -349,6 +375,7 @@ BAD_SAMPLING = [
     ("top_p", {"top_p": 0}, True),
     ("top_k", {"top_k": 0}, True),
     ("max_new_tokens", {"max_new_tokens": "many"}, False),
+    ("stop", {"stop": ["", "x"]}, False),
 ]
 
 

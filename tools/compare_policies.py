@@ -32,7 +32,7 @@ def greedy_correct(policy: str, task, examples, cfg) -> list[bool]:
     """Whether each example's greedy completion by ``policy`` gets full marks, as the
     stages' held-out evaluation counts it (the embedded engine, ``greedy_completions``)."""
     tokenizer = load_tokenizer(policy)
-    prompts = tokenize_prompts(tokenizer, examples)
+    prompts = tokenize_prompts(tokenizer, task.config, examples)
     engine = make_eval_engine(
         replace(cfg.model, path=policy), cfg.eval, max(len(p) for p in prompts), torch.device("cpu")
     )

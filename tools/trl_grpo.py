@@ -105,7 +105,7 @@ class Evaluator:
     def __init__(self, cfg: Any, model: Any, tokenizer: Any, task: Any, held_out: list) -> None:
         self.cfg, self.model, self.tokenizer, self.task = cfg, model, tokenizer, task
         self.held_out = held_out
-        prompt_len = max(len(p) for p in tokenize_prompts(tokenizer, held_out))
+        prompt_len = max(len(p) for p in tokenize_prompts(tokenizer, task.config, held_out))
         self.engine = make_eval_engine(cfg.model, cfg.eval, prompt_len, torch.device("cpu"))
         self.points: list[tuple[float, int, float]] = []
         self.start = time.time()

@@ -16,9 +16,11 @@ from collections.abc import Callable
 from asyncrl.buffer.core import RolloutBuffer
 from asyncrl.buffer.reward_model import RewardModelScorer, completion_text
 from asyncrl.buffer.rewards import RewardPool
+from asyncrl.engine.stops import text_until_stop
 from asyncrl.models import load_tokenizer
 from asyncrl.rollout import RolloutConfig
 from asyncrl.tasks import build_task
+from asyncrl.tasks.prompts import PromptRenderer
 
 Scorer = Callable[[int, list[int], str | None], float]
 """``score(prompt_id, completion token ids, finish reason) -> reward``."""
@@ -40,13 +42,15 @@ class Scoring:
         # Kept for every source: callers read its counters and close it.
         self.pool = RewardPool(cfg.task, reward)
         self.split = cfg.task.rl_split
+        self.sampling = cfg.sampling  # its stop strings and tokens cut the verifier's text
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.reward_model: RewardModelScorer | None = None
         if reward.source != "verifier":
             self.reward_model = RewardModelScorer(
                 reward.model_path, reward.model_batch_size, reward.model_threads
             )
-            self.task = build_task(cfg.task)  # the prompts, to tokenize as the generators do
+            self.task = build_task(cfg.task)  # the prompts, to render as the generators do
+            self.renderer = PromptRenderer.for_task(cfg.task, self.tokenizer)
         self.prompt_ids: dict[int, list[int]] = {}
         """Tokenized prompts by example index, filled on first use."""
         # Samples submitted and not yet handed to the buffer, by an id of ours (buffer keys
@@ -61,15 +65,22 @@ class Scoring:
         }[reward.source]
 
     def text(self, completion: list[int]) -> str:
-        return completion_text(self.tokenizer, completion)
+        """What the verifier reads: the decoded completion, cut at a stop string or stop
+        token as ``SamplingConfig.keep_stop_text`` says (``asyncrl.engine.stops``)."""
+        s = self.sampling
+        return text_until_stop(
+            lambda ids: completion_text(self.tokenizer, ids),
+            completion,
+            s.stop,
+            s.stop_token_ids,
+            s.keep_stop_text,
+        )
 
     def prompt(self, prompt_id: int) -> list[int]:
         """The prompt's token ids as ``TaskPrompts`` gives them to the generators."""
         if prompt_id not in self.prompt_ids:
-            prompt = self.task.examples(self.split)[prompt_id].prompt
-            self.prompt_ids[prompt_id] = self.tokenizer(prompt, add_special_tokens=False)[
-                "input_ids"
-            ]
+            example = self.task.examples(self.split)[prompt_id]
+            self.prompt_ids[prompt_id] = self.renderer.prompt_ids(example)
         return self.prompt_ids[prompt_id]
 
     def pump(self, buffer: RolloutBuffer, on_reward: OnReward | None = None) -> None:

@@ -37,6 +37,9 @@ class SamplingParams:
     """Seed of this request's own generator, so its samples do not depend on its batch."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Finish (reason ``stop``) after any of these; the model's EOS always finishes."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: finish (reason ``stop``) at the first token whose decoded completion
+    contains one; that token is still returned (see ``asyncrl.engine.stops``)."""
 
 
 @dataclass
@@ -66,6 +69,9 @@ class Finished:
     reason: FinishReason
     num_tokens: int
     """Tokens generated for the request in total."""
+    matched: str | None = None
+    """The stop string that ended it (reason ``stop``); None when a token or anything
+    else did."""
 
 
 @dataclass

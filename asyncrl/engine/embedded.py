@@ -6,7 +6,8 @@ leave it when they finish or are aborted, returning their slot. Running sequence
 occupy slots ``0 … n-1``: when one leaves, the last one's cache moves into the hole, so
 attention reads the cache through views and never gathers it. Each step gives every
 running request one token with its behavior logprob and the version of the weights that
-produced it.
+produced it; a request ends at EOS, a stop token or string (``asyncrl.engine.stops``), or
+its length.
 
 It implements the ``Engine`` protocol (``asyncrl.interfaces``), configured by
 ``EmbeddedEngineConfig`` (``engine.embedded.*`` in an experiment). Weights are
@@ -33,6 +34,7 @@ from asyncrl.engine.base import EngineStatus, Finished, GeneratedToken, Request,
 from asyncrl.engine.decoder import CachedDecoder, KVCache
 from asyncrl.engine.sampling import sample
 from asyncrl.engine.servers import read_weights_dir
+from asyncrl.engine.stops import StopChecker
 from asyncrl.models import ModelConfig, load_model
 
 
@@ -110,6 +112,7 @@ class EmbeddedEngine:
         if eos is None:
             eos = config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.stops = StopChecker(model_path)  # loads the tokenizer at the first stop string
         self.version = version
         self.slots: list[_Sequence] = []
         """Running sequences by slot: ``slots[i].slot == i``."""
@@ -323,17 +326,16 @@ class EmbeddedEngine:
             seq.generated += 1
             tokens.append(GeneratedToken(seq.request.request_id, token, logprob, self.version))
             params = seq.request.params
-            reason = None
-            if token in self.eos_ids:
-                reason = "eos"
-            elif token in params.stop_token_ids:
-                reason = "stop"
-            elif seq.generated >= params.max_new_tokens or len(seq.tokens) >= self.max_seq_len:
+            # EOS, then stop tokens, then stop strings, then length: vLLM's order.
+            reason, matched = self.stops.check(seq.tokens, seq.generated, params, self.eos_ids)
+            if reason is None and (
+                seq.generated >= params.max_new_tokens or len(seq.tokens) >= self.max_seq_len
+            ):
                 reason = "length"
             if reason is not None:
                 del self.running[seq.request.request_id]
                 self._release(seq)
-                finished.append(Finished(seq.request.request_id, reason, seq.generated))
+                finished.append(Finished(seq.request.request_id, reason, seq.generated, matched))
                 self.counters.finished += 1
                 self.counters.reasons[reason] = self.counters.reasons.get(reason, 0) + 1
 

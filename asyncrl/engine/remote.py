@@ -37,7 +37,9 @@ attaches to (``asyncrl.engine.servers``), configured by ``RemoteEngineConfig``
   by its own behavior logprob, whichever policy produced it.
 
 Differences from the embedded engine: a request's ``seed`` is not sent, and
-``max_new_tokens`` is capped so that prompt + completion fit ``max_seq_len``.
+``max_new_tokens`` is capped so that prompt + completion fit ``max_seq_len``. Stop strings
+go with every attempt, and a server looks for them in what that attempt generates: one
+split by an interruption ends nothing (the reward's text is still cut at it).
 """
 
 from __future__ import annotations
@@ -86,6 +88,8 @@ class _Seq:
     server: ServerState | None = None
     aborted: bool = False
     """The caller aborted it: report ``abort``, never resend."""
+    matched: str | None = None
+    """The stop string the server reported ending it."""
 
     @property
     def rid(self) -> str:
@@ -334,6 +338,7 @@ class RemoteEngine:
                 seen = self._take(server, seq, meta, seen)
                 if meta.get("finish_reason"):
                     reason, error = api.finish_reason(meta["finish_reason"], self.eos_ids)
+                    seq.matched = api.matched_stop(meta["finish_reason"])
                     if error:
                         log.warning(
                             "request %s aborted by %s: %s", seq.rid, url, meta["finish_reason"]
@@ -357,7 +362,8 @@ class RemoteEngine:
 
     def _finish(self, seq: _Seq, reason: str) -> None:
         """Report ``seq`` finished; the caller holds ``self._lock``."""
-        self._finished.append(Finished(seq.request.request_id, reason, len(seq.tokens)))
+        matched = seq.matched if reason == "stop" else None
+        self._finished.append(Finished(seq.request.request_id, reason, len(seq.tokens), matched))
         if reason == "abort":
             self.counters.aborted += 1
         else:

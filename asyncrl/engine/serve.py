@@ -34,7 +34,10 @@ Where this server departs from sglang, and why:
   here: the embedded cache survives a pause). In every mode no step runs until
   ``/continue_generation``; new requests are accepted and wait.
 - ``/slow_down`` (sglang's testing aid) sleeps ``forward_sleep_time`` s after each step.
-- Not implemented: batch requests (a list of prompts), string stops, ``ignore_eos``,
+- Stop strings are looked for in the completion decoded with special tokens skipped
+  (vLLM's way; sglang's check sees their text too), so a special token is stopped at
+  with ``stop_token_ids``, never with a string.
+- Not implemented: batch requests (a list of prompts), stop regexes, ``ignore_eos``,
   penalties, prompt and top logprobs, ``max_new_tokens=0`` (all answered with 400);
   weights load from ``*.safetensors`` only (``load_format`` is ignored).
 """

@@ -234,7 +234,8 @@ class EngineServer:
             flight = self._by_engine_id.get(done.request_id)
             if flight is not None:  # None: an abort we reported when we made it
                 last = flight.gen.output_ids[-1] if flight.gen.output_ids else None
-                self._finish(flight, finish_reason_json(done.reason, last, done.num_tokens))
+                matched = last if done.matched is None else done.matched
+                self._finish(flight, finish_reason_json(done.reason, matched, done.num_tokens))
 
     def close(self) -> None:
         self._stepper.shutdown(wait=True)

@@ -30,6 +30,7 @@ from http import HTTPStatus
 from typing import Any
 
 from asyncrl.engine.base import FinishReason, SamplingParams
+from asyncrl.engine.stops import trim_at_stop
 
 
 class BadRequest(ValueError):
@@ -50,7 +51,8 @@ class GenerateInput:
     """Stream an event every this many new tokens (and always the final one)."""
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
-    """Keep a matched stop token in ``text`` (it is always in ``output_ids``)."""
+    """Keep a matched stop token or stop string in ``text`` (the string cut right after it);
+    the token that ended the request is always in ``output_ids``."""
 
 
 # sglang sampling parameters the engine does not implement, accepted at their neutral value.
@@ -62,7 +64,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "min_new_tokens": (0,),
     "n": (1,),
     "ignore_eos": (False,),
-    "stop": ("", []),
     "stop_regex": ("", []),
     "json_schema": (),
     "regex": (),
@@ -78,6 +79,7 @@ _IMPLEMENTED = {
     "top_p",
     "top_k",
     "stop_token_ids",
+    "stop",
     "sampling_seed",
     "stream_interval",
     "skip_special_tokens",
@@ -145,6 +147,20 @@ def _prompt(body: dict, vocab_size: int, encode: Callable[[str], list[int]]) -> 
     if not isinstance(text, str) or not text:
         raise BadRequest(f"text must be a non-empty string (one prompt), got {text!r:.80}")
     return _token_ids(encode(text), "text (tokenized)", vocab_size)
+
+
+def _stop_strings(value: Any) -> list[str]:
+    """sglang's ``stop``: one string or a list of them; null and "" mean none."""
+    if value is None or value == "":
+        return []
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise BadRequest(
+            f"sampling_params.stop must be a string or a list of non-empty strings, "
+            f"got {value!r:.80}"
+        )
+    return list(value)
 
 
 def _sampling_keys(raw: Any) -> dict[str, Any]:
@@ -215,12 +231,12 @@ def _sampling(
     top_k = -1 if top_k is None else top_k
     if not _is_int(top_k) or (top_k < 1 and top_k != -1):
         raise BadRequest(f"sampling_params.top_k must be -1 (all) or >= 1, got {top_k!r}")
-    stop = raw.get("stop_token_ids")
-    stop = [] if stop is None else stop
-    if stop:
-        stop = _token_ids(stop, "sampling_params.stop_token_ids", vocab_size)
-    elif not isinstance(stop, list):
-        raise BadRequest(f"sampling_params.stop_token_ids must be a list, got {stop!r:.80}")
+    stop_ids = raw.get("stop_token_ids")
+    stop_ids = [] if stop_ids is None else stop_ids
+    if stop_ids:
+        stop_ids = _token_ids(stop_ids, "sampling_params.stop_token_ids", vocab_size)
+    elif not isinstance(stop_ids, list):
+        raise BadRequest(f"sampling_params.stop_token_ids must be a list, got {stop_ids!r:.80}")
     seed = raw.get("sampling_seed")
     if seed is not None:
         seed = _integer(seed, "sampling_params.sampling_seed", 0)
@@ -231,7 +247,8 @@ def _sampling(
         # sglang's "all tokens" is -1 (or 1 << 30); the engine's is 0.
         top_k=0 if top_k == -1 or top_k >= vocab_size else top_k,
         seed=seed,
-        stop_token_ids=list(stop),
+        stop_token_ids=list(stop_ids),
+        stop=_stop_strings(raw.get("stop")),
     )
     return params, _output_options(raw)
 
@@ -280,16 +297,17 @@ def parse_generate(
 
 def finish_reason_json(
     reason: FinishReason,
-    last_token: int | None,
+    matched: int | str | None,
     num_tokens: int,
     message: str = "",
     status_code: int | None = None,
 ) -> dict[str, Any]:
     """sglang's ``finish_reason``. EOS and stop tokens both read ``{"type": "stop",
-    "matched": token_id}`` (sglang treats EOS as a stop token); an abort carries an HTTP
-    ``status_code`` only when the server made it for an error."""
+    "matched": token_id}`` (sglang treats EOS as a stop token), a stop string ``{"type":
+    "stop", "matched": string}``; an abort carries an HTTP ``status_code`` only when the
+    server made it for an error."""
     if reason in ("eos", "stop"):
-        return {"type": "stop", "matched": last_token}
+        return {"type": "stop", "matched": matched}
     if reason == "length":
         return {"type": "length", "length": num_tokens}
     return {
@@ -315,10 +333,14 @@ class Generation:
     def response(self, decode: Callable[[list[int], bool], str], weight_version: str) -> dict:
         """The cumulative response object; ``weight_version`` is the label of the
         latest token's weights (``weight_version`` itself before the first token)."""
-        finish = self.finish_reason
+        finish, keep = self.finish_reason, self.input.no_stop_trim
+        matched = finish.get("matched") if finish and finish["type"] == "stop" else None
         text_ids = self.output_ids
-        if finish and finish["type"] == "stop" and not self.input.no_stop_trim:
+        if isinstance(matched, int) and not keep:
             text_ids = text_ids[:-1]  # sglang drops the matched stop token from the text
+        text = decode(text_ids, self.input.skip_special_tokens)
+        if isinstance(matched, str):  # and cuts the text at a matched stop string
+            text = trim_at_stop(text, [matched], keep)[0]
         meta: dict[str, Any] = {
             "id": self.input.rid,
             "finish_reason": finish,
@@ -338,7 +360,7 @@ class Generation:
         if finish is not None:
             meta["e2e_latency"] = time.monotonic() - self.created
         return {
-            "text": decode(text_ids, self.input.skip_special_tokens),
+            "text": text,
             "output_ids": list(self.output_ids),
             "meta_info": meta,
         }

@@ -14,13 +14,19 @@ tokenizer_manager.py``. asyncrl's own front (``asyncrl.engine.serve``) answers t
   a failed request streams ``data: {"error": {"message"}}``. Each event's ``meta_info``
   has ``output_token_logprobs`` (``[logprob, token_id, text|null]`` per output token),
   ``completion_tokens``, ``prompt_tokens``, ``weight_version`` (a string) and
-  ``finish_reason`` (null while running; ``{"type": "stop", "matched": token_id}``,
-  ``{"type": "length", "length": n}``, ``{"type": "abort", "message", "status_code"}``).
+  ``finish_reason`` (null while running; ``{"type": "stop", "matched": token_id}``, or
+  ``"matched": string`` for a stop string, ``{"type": "length", "length": n}``,
+  ``{"type": "abort", "message", "status_code"}``). ``output_ids`` include the token that
+  ended the request, the one in which a stop string completed too.
   Streams are cumulative by default (every event repeats all tokens so far) and
   incremental with ``--incremental-streaming-output``; ``new_tokens`` reads both.
 - ``sampling_params`` keys sent: ``max_new_tokens``, ``temperature`` (0 = greedy),
-  ``top_p``, ``top_k`` (only when set: sglang's "all" is -1), ``stop_token_ids``. sglang
-  rejects unknown keys, so nothing else is sent.
+  ``top_p``, ``top_k`` (only when set: sglang's "all" is -1), ``stop_token_ids`` and
+  ``stop`` (when there are any). sglang rejects unknown keys, so nothing else is sent:
+  not ``no_stop_trim`` either, which only shapes the ``text`` the engine never reads (the
+  reward's text is cut by ``asyncrl.engine.stops`` from the token ids). sglang looks for
+  stop strings in text that keeps special tokens, asyncrl's engine in text that skips
+  them; they differ only for a stop string that spells a special token.
 - ``POST /abort_request`` {``rid``}; ``POST /pause_generation`` {``mode``: ``"abort"``} ends
   every request in flight with finish reason abort and holds new ones until ``POST
   /continue_generation`` {} (older sglang takes no body, and ignores one);
@@ -56,6 +62,8 @@ def generate_payload(
         sampling["top_k"] = params.top_k
     if params.stop_token_ids:
         sampling["stop_token_ids"] = list(params.stop_token_ids)
+    if params.stop:
+        sampling["stop"] = list(params.stop)
     return {
         "rid": rid,
         "input_ids": input_ids,
@@ -108,6 +116,13 @@ def finish_reason(finish: dict | str, eos_ids: set[int]) -> tuple[str, bool]:
         return ("eos" if isinstance(matched, int) and matched in eos_ids else "stop"), False
     error = kind == "abort" and int(finish.get("status_code") or 0) >= 400
     return kind, error
+
+
+def matched_stop(finish: dict | str) -> str | None:
+    """The stop string a server's ``finish_reason`` says ended the request; None when a
+    token (``matched`` is its id) or anything else did."""
+    matched = finish.get("matched") if isinstance(finish, dict) else None
+    return matched if isinstance(matched, str) else None
 
 
 def as_version(value, default: int) -> int:

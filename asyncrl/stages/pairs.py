@@ -4,7 +4,8 @@ and DPO (``stages/dpo.py``) both train on (prompt, chosen, rejected) pairs.
 A stage's pairs come from JSONL files (``PreferenceDataConfig``); when they are missing,
 rank 0 makes them first by sampling the starting policy and pairing correct against
 incorrect completions by the task's verifier (``stages/preference_data.py``). Each pair
-becomes two ``TokenSequence`` (prompt + completion + EOS, targets on the completion),
+becomes two ``TokenSequence`` (the rendered prompt + completion through its end token,
+targets on the completion; ``asyncrl.tasks.prompts``),
 placed next to each other: a rank takes a token-balanced share of the pairs of a global
 batch, and ``make_micro_batches(group_size=2)`` keeps each pair in one micro-batch, so a
 pair's loss reads consecutive sequences (chosen at even, rejected at odd indices). Losses
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -27,9 +28,10 @@ from asyncrl.metrics import MetricsConfig, MetricsLogger
 from asyncrl.models import ModelConfig, load_tokenizer
 from asyncrl.stages.common import ProcessSpec, out_of_time, resume_or_evaluate, trainer_ranks
 from asyncrl.stages.preference_data import PreferenceDataConfig, make_preference_data
-from asyncrl.tasks import TaskConfig, stream_index
+from asyncrl.tasks import Example, TaskConfig, stream_index
 from asyncrl.tasks.base import DataError
 from asyncrl.tasks.jsonl import load_jsonl
+from asyncrl.tasks.prompts import PromptRenderer
 from asyncrl.trainer.checkpoint import (
     export_hf,
     save_checkpoint,
@@ -118,25 +120,38 @@ def ensure_pairs(cfg: PairStageExperiment, info: DistInfo) -> None:
     barrier()
 
 
-class PairData:
-    """The pairs of one JSONL file, tokenized: ``(chosen, rejected)`` ``TokenSequence`` each
-    prompt + completion + EOS with targets on the completion and EOS."""
+def load_pairs(path: str, task_cfg: TaskConfig | None = None) -> list[Example]:
+    """The rows of a pair file: asyncrl's JSONL rows, or, when the task reads dataset
+    files (``task.source="dataset"``), a file in the common prompt/chosen/rejected shape
+    through the task's field map."""
+    if task_cfg is not None and task_cfg.source == "dataset":
+        from asyncrl.tasks.dataset import DatasetTask
 
-    def __init__(self, path: str, tokenizer, seed: int) -> None:
+        return DatasetTask(replace(task_cfg, train_path=path, eval_path=None)).load_file(
+            path, "train"
+        )
+    return load_jsonl(path)
+
+
+class PairData:
+    """The pairs of one file, tokenized: ``(chosen, rejected)`` ``TokenSequence`` each the
+    rendered prompt + completion through its end token, targets on the completion."""
+
+    def __init__(
+        self, path: str, renderer: PromptRenderer, seed: int, task_cfg: TaskConfig | None = None
+    ) -> None:
         self.seed = seed
-        encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-        eos = tokenizer.eos_token_id
         self.pairs: list[tuple[TokenSequence, TokenSequence]] = []
-        for row in load_jsonl(path):
+        for row in load_pairs(path, task_cfg):
             if row.chosen is None or row.rejected is None:
                 line = row.uid.split(":")[1]
                 raise DataError(f"{path}:{line}: a preference row needs chosen and rejected")
-            prompt = encode(row.prompt)
-            if not prompt:
+            if not row.prompt:
                 raise DataError(f"{path}:{row.uid.split(':')[1]}: empty prompt")
+            prompt = renderer.prompt_ids(row)
             pair = []
             for text in (row.chosen, row.rejected):
-                completion = encode(text) + [eos]
+                completion = renderer.completion_ids(row, text)
                 pair.append(
                     TokenSequence(prompt + completion, [0] * len(prompt) + [1] * len(completion))
                 )
@@ -234,8 +249,9 @@ def run_pair_stage(
     ensure_pairs(cfg, info)
     tokenizer = load_tokenizer(cfg.model.path)
     core = TrainerCore(model, cfg.trainer, cfg.optim, info, tokenizer.pad_token_id)
-    data = PairData(cfg.data.train_path, tokenizer, cfg.seed)
-    held_out = PairData(cfg.data.eval_path, tokenizer, cfg.seed)
+    renderer = PromptRenderer.for_task(cfg.task, tokenizer)
+    data = PairData(cfg.data.train_path, renderer, cfg.seed, cfg.task)
+    held_out = PairData(cfg.data.eval_path, renderer, cfg.seed, cfg.task)
     log = MetricsLogger(cfg.run_dir, "trainer", cfg.metrics, info.is_main, cfg.max_steps)
     summary = train_on_pairs(cfg, info, core, make_stage(data, held_out), data, held_out, log)
     log.close()

@@ -34,6 +34,7 @@ from transformers import PreTrainedTokenizerBase
 from asyncrl.buffer.reward_model import completion_text
 from asyncrl.engine.base import Request, SamplingParams
 from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from asyncrl.evaluation import tokenize_prompts
 from asyncrl.models import load_tokenizer
 from asyncrl.tasks import Example, Task, TaskConfig, build_task
 
@@ -154,7 +155,7 @@ def grade_split(
     """Sample ``cfg.samples_per_prompt`` completions of each example and grade each one
     with the task's verifier."""
     n = cfg.samples_per_prompt
-    prompt_ids = [tokenizer(ex.prompt, add_special_tokens=False)["input_ids"] for ex in examples]
+    prompt_ids = tokenize_prompts(tokenizer, task.config, examples)
     prompts = [prompt_ids[i] for i in range(len(examples)) for _ in range(n)]
     params = [
         SamplingParams(
@@ -239,9 +240,7 @@ def make_preference_data(policy_dir: str, task_cfg: TaskConfig, cfg: PreferenceD
     # Held out must be held out: an eval prompt among the train prompts is dropped.
     train_prompts = {ex.prompt for ex in train}
     evals = [ex for ex in task.examples("eval") if ex.prompt not in train_prompts]
-    longest = max(
-        len(tokenizer(ex.prompt, add_special_tokens=False)["input_ids"]) for ex in [*train, *evals]
-    )
+    longest = max(len(ids) for ids in tokenize_prompts(tokenizer, task_cfg, [*train, *evals]))
     engine_cfg = EmbeddedEngineConfig(
         max_slots=cfg.max_slots, max_seq_len=longest + cfg.max_new_tokens
     )

@@ -34,7 +34,8 @@ from asyncrl.stages.common import (
     stage_main,
     trainer_ranks,
 )
-from asyncrl.tasks import Example, Task, TaskConfig, build_task, stream_index
+from asyncrl.tasks import DataError, Example, Task, TaskConfig, build_task, stream_index
+from asyncrl.tasks.prompts import PromptRenderer
 from asyncrl.trainer.checkpoint import (
     export_hf,
     save_checkpoint,
@@ -101,16 +102,17 @@ class SFTData:
     """Global batches of tokenized (prompt, completion) pairs from the task's train split,
     reshuffled every epoch (``stream_index``), so resuming needs only the position."""
 
-    def __init__(self, examples: list[Example], tokenizer, seed: int) -> None:
-        self.examples, self.tokenizer, self.seed = examples, tokenizer, seed
+    def __init__(self, examples: list[Example], renderer: PromptRenderer, seed: int) -> None:
+        self.examples, self.renderer, self.seed = examples, renderer, seed
         self._cache: dict[int, TokenSequence] = {}
 
     def _sequence(self, index: int) -> TokenSequence:
         if index not in self._cache:
             ex = self.examples[index]
-            prompt = self.tokenizer(ex.prompt, add_special_tokens=False)["input_ids"]
-            completion = self.tokenizer(ex.completion, add_special_tokens=False)["input_ids"]
-            completion = completion + [self.tokenizer.eos_token_id]
+            if ex.completion is None:
+                raise DataError(f"{ex.uid}: no completion to train on (SFT needs one per row)")
+            prompt = self.renderer.prompt_ids(ex)
+            completion = self.renderer.completion_ids(ex, ex.completion)
             self._cache[index] = TokenSequence(
                 prompt + completion, [0] * len(prompt) + [1] * len(completion)
             )
@@ -150,7 +152,8 @@ class Evaluator:
         self.examples = list(task.examples("eval"))[: cfg.eval.num_examples]
         self.engine = None
         if info.is_main and self.examples:
-            longest = max(len(p) for p in tokenize_prompts(self.tokenizer, self.examples))
+            prompts = tokenize_prompts(self.tokenizer, task.config, self.examples)
+            longest = max(len(p) for p in prompts)
             self.engine = make_eval_engine(cfg.model, cfg.eval, longest, info.device)
 
     def __call__(self, core: TrainerCore) -> dict[str, float]:
@@ -158,8 +161,16 @@ class Evaluator:
         result: dict[str, float] = {}
         if self.engine is not None:
             self.engine.load_weights(full, core.step)
+            e = self.cfg.eval
             result = greedy_accuracy(
-                self.engine, self.tokenizer, self.task, self.examples, self.cfg.eval.max_new_tokens
+                self.engine,
+                self.tokenizer,
+                self.task,
+                self.examples,
+                e.max_new_tokens,
+                stop=e.stop,
+                stop_token_ids=e.stop_token_ids,
+                keep_stop_text=e.keep_stop_text,
             )
         barrier()
         return result
@@ -187,7 +198,8 @@ def run(cfg: SFTExperiment, info: DistInfo) -> dict:
     ensure_model(cfg, task, info)
     tokenizer = load_tokenizer(cfg.model.path)
     core = TrainerCore(cfg.model, cfg.trainer, cfg.optim, info, tokenizer.pad_token_id)
-    data = SFTData(list(task.examples("train")), tokenizer, cfg.seed)
+    renderer = PromptRenderer.for_task(cfg.task, tokenizer)
+    data = SFTData(list(task.examples("train")), renderer, cfg.seed)
     evaluate = Evaluator(cfg, task, info)
     log = MetricsLogger(cfg.run_dir, "trainer", cfg.metrics, info.is_main, cfg.sft.max_steps)
     ckpt_root = Path(cfg.run_dir) / "checkpoints"
