@@ -115,7 +115,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"[launch] {chain[-1].name} needs outputs of {names}: running them first",
                 flush=True,
             )
-        code = run_stage(prepare(cfg))
+        try:
+            prepared = prepare(cfg)
+        except ConfigError as e:  # a check that needed this stage's inputs (preflight)
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        code = run_stage(prepared)
         if code != 0:
             return code
     return 0

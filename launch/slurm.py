@@ -132,10 +132,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"[slurm] an input of {chain[-1].name} is missing: {cfg.name} runs first, as its own job",
                 file=sys.stderr,
             )
-        stage: Prepared = prepare(cfg, across_nodes if stage_opts.total_nodes > 1 else None)
         try:
+            stage: Prepared = prepare(cfg, across_nodes if stage_opts.total_nodes > 1 else None)
             text = sbatch_script(stage, stage_opts, Path.cwd())
-        except LayoutError as e:
+        except (ConfigError, LayoutError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         script = stage.run_dir / SCRIPT_NAME

@@ -124,6 +124,28 @@ def test_a_live_holder_without_progress_loses_its_lease_and_is_told():
     assert again.prefix_ids == [5, 6]
 
 
+def test_a_restarted_holder_loses_its_old_leases_at_once_and_keeps_its_new_ones():
+    """A generator restarted under the same worker id heartbeats again within the timeout,
+    so its dead process's leases would wait ``progress_timeout_s``; its new incarnation
+    takes them back at the next ``expire``, nobody told, tokens kept as the prefix."""
+    buffer = _buffer(heartbeat_timeout_s=10.0, progress_timeout_s=300.0)
+    journal = Journal(buffer)
+    buffer.leases.on_incarnation("g0", "pid1")
+    [old] = journal.lease("g0", 1, 0.0)
+    journal.chunk(_chunk(old.lease_id, 0, [5, 6]), 1.0)
+    buffer.leases.on_incarnation("g0", "pid1")  # the same process: nothing happens
+    assert journal.expire(2.0) == {}
+    buffer.leases.on_incarnation("g0", "pid2")  # its first message after the restart
+    buffer.leases.on_heartbeat("g0", 3.0)
+    [new] = journal.lease("g0", 1, 3.0)  # answered before the next expire
+    assert journal.expire(3.1) == {}  # taken back, and nobody to tell
+    assert old.lease_id not in buffer.leases.active and new.lease_id in buffer.leases.active
+    assert buffer.state.counts["leases_revoked_holder_restarted"] == 1
+    [again] = journal.lease("g0", 1, 4.0)
+    assert again.prefix_ids == [5, 6] and again.group_id == old.group_id
+    assert journal.expire(5.0) == {} and new.lease_id in buffer.leases.active
+
+
 def test_a_lease_stuck_behind_a_lost_chunk_is_taken_back_and_its_holder_told():
     buffer = _buffer(gap_timeout_s=5.0)
     journal = Journal(buffer)

@@ -111,6 +111,7 @@ class BatchServer:
         # groups in finishing order would leave it behind until it is too stale to train.
         fresh.sort(key=lambda g: (oldest[g], g))
         taken, st.ready = fresh[: self.cfg.prompts_per_batch], fresh[self.cfg.prompts_per_batch :]
+        st.filtered_since_batch = 0
         return [st.groups.pop(g) for g in taken]
 
     def _straggler(self, step: int) -> bool:

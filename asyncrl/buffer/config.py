@@ -36,6 +36,14 @@ class BufferConfig:
     is minutes above that on CPU and wastes at most five minutes of a stuck sample."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (no learning signal) and lease more prompts."""
+    max_filtered_batches: int = 16
+    """Dynamic sampling's bound on one step's wait (DAPO's ``max_num_gen_batches``): once
+    it has dropped this many batches' worth of groups (× ``prompts_per_batch``) since the
+    last batch, while fewer than a batch are ready, the uniform groups are kept until the
+    next batch: the step trains on them (zero advantage under GRPO) instead of waiting
+    without bound. Counted in ``buffer/groups_kept_uniform``. 16 sits above what
+    ``make demo`` drops late in its run (at most 14.5 batches' worth per step), so a
+    healthy run never reaches it. 0: no bound."""
     skip_uniform: float = 0.0
     """p of pre-rollout filtering (GRESO): a prompt whose last z groups each had equal
     rewards is skipped in the prompt stream with probability 1 − (1 − p)^z, before any

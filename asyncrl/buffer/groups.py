@@ -13,14 +13,19 @@ under the gate for a replacement.
 
 from __future__ import annotations
 
+import logging
 import math
 import random
+import time
+from collections import deque
 from collections.abc import Callable
 from typing import NamedTuple
 
 from asyncrl.buffer.config import BufferConfig
 from asyncrl.buffer.staleness import StalenessGate
 from asyncrl.buffer.state import BufferState, Group, Slot
+
+log = logging.getLogger(__name__)
 
 PromptSource = Callable[[int], tuple[int, list[int]]]
 """``prompts(position) -> (prompt_id, prompt token ids)``, deterministic in the position."""
@@ -41,6 +46,46 @@ class ToScore(NamedTuple):
     finish_reason: str | None
 
 
+class FilterWatch:
+    """Warns, at most once a minute, when dynamic sampling drops most complete groups: a
+    run where it does waits for many groups per step, which otherwise shows only as an
+    idle trainer."""
+
+    WINDOW = 100
+    """Complete groups the share is measured over."""
+    SHARE = 0.8
+    """Dropped share of the window that warrants a warning."""
+    EVERY_S = 60.0
+
+    def __init__(self, prompts_per_batch: int) -> None:
+        self.prompts_per_batch = prompts_per_batch
+        self.recent: deque[bool] = deque(maxlen=self.WINDOW)
+        self.last_warning = -math.inf
+
+    def observe(self, uniform: bool, counts: dict[str, int]) -> None:
+        self.recent.append(uniform)
+        dropped = sum(self.recent)
+        if len(self.recent) < self.WINDOW or dropped < self.SHARE * self.WINDOW:
+            return
+        now = time.monotonic()
+        if now - self.last_warning < self.EVERY_S:
+            return
+        self.last_warning = now
+        per_step = self.prompts_per_batch * self.WINDOW / max(1, self.WINDOW - dropped)
+        log.warning(
+            "dynamic sampling dropped %d of the last %d complete groups (all rewards equal; "
+            "%d dropped in all): a step of %d groups needs about %.0f generated ones at this "
+            "rate, and a step waiting past buffer.max_filtered_batches trains on uniform "
+            "groups. The policy may have solved (or be unable to solve) this data: harder "
+            "or easier prompts, buffer.skip_uniform, or buffer.dynamic_sampling=false",
+            dropped,
+            self.WINDOW,
+            counts["groups_filtered"],
+            self.prompts_per_batch,
+            per_step,
+        )
+
+
 class GroupAssembler:
     def __init__(
         self,
@@ -58,6 +103,7 @@ class GroupAssembler:
             state,
         )
         self._unscored: list[ToScore] = []
+        self.filter_watch = FilterWatch(cfg.prompts_per_batch)
 
     def admit(self) -> bool:
         """Admit one prompt as a new group, its samples queued for leases, if the gate
@@ -125,9 +171,14 @@ class GroupAssembler:
         rewards = {s.reward for s in group.slots}
         if self.cfg.skip_uniform > 0:
             self._track_uniform(group.prompt_id, rewards)
-        if self.cfg.dynamic_sampling and len(rewards) == 1:
+        uniform = self.cfg.dynamic_sampling and len(rewards) == 1
+        self.filter_watch.observe(uniform, st.counts)
+        if uniform and self._filter_bound_reached():
+            st.counts["groups_kept_uniform"] += 1
+        elif uniform:
             self._end(group, "samples_filtered")
             st.counts["groups_filtered"] += 1
+            st.filtered_since_batch += 1
             return
         st.ready.append(group.group_id)
         # What passed the filters, to tell a length bias of staleness handling (ready
@@ -135,6 +186,13 @@ class GroupAssembler:
         # policy gets all wrong, the long ones more often).
         st.counts["samples_ready"] += len(group.slots)
         st.counts["completion_tokens_ready"] += sum(len(s.token_ids) for s in group.slots)
+
+    def _filter_bound_reached(self) -> bool:
+        """Whether dynamic sampling has dropped ``max_filtered_batches`` batches' worth of
+        groups while the next step waits for a batch (see ``BufferConfig``)."""
+        cap = self.cfg.max_filtered_batches * self.cfg.prompts_per_batch
+        waiting = len(self.state.ready) < self.cfg.prompts_per_batch
+        return cap > 0 and waiting and self.state.filtered_since_batch >= cap
 
     def drop_stale(self, group: Group) -> None:
         """End a complete group too stale to train on; its prompt goes first in line to

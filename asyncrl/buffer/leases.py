@@ -8,6 +8,8 @@ as long as its generation does, minutes if need be; it is taken back (``expire``
 ``revoke`` takes) only when
 
     holder_silent  its holder sent nothing for ``heartbeat_timeout_s``: presumed dead
+    holder_restarted  its holder's process started again under the same worker id (a
+                   new ``incarnation`` in its messages): the lease died with the old one
     gap            a chunk before the ones waiting never came, for ``gap_timeout_s``
     no_progress    its holder is alive but sent no new chunk for it for
                    ``progress_timeout_s``, counted from its issue or its latest chunk
@@ -27,6 +29,7 @@ from asyncrl.buffer.state import BufferState, Slot
 from asyncrl.wire import Chunk, Lease, SamplingSpec
 
 HOLDER_SILENT, GAP, NO_PROGRESS = "holder_silent", "gap", "no_progress"
+HOLDER_RESTARTED = "holder_restarted"
 """Why ``expire`` takes a lease back; counted as ``leases_revoked_<reason>``."""
 REVOKED_ALIVE_KEPT = 1024
 """Leases revoked from a live holder remembered for ``tokens_revoked_alive``: the holder
@@ -65,6 +68,10 @@ class LeaseTable:
         """The weights version each generator last reported."""
         self.progress_at: dict[str, float] = {}
         """When each lease out now last made progress: its issue, or its latest new chunk."""
+        self.incarnations: dict[str, str] = {}
+        """Each generator's process start it last spoke from (``on_incarnation``)."""
+        self.orphaned: set[str] = set()
+        """Leases whose holder restarted, for the next ``expire`` to take back."""
 
     def lease(self, worker_id: str, capacity: int, now: float) -> list[Lease]:
         """Up to ``capacity`` leases for ``worker_id``: samples waiting first, then samples
@@ -113,6 +120,23 @@ class LeaseTable:
         if not slot.pending:
             slot.gap_since = None
 
+    def on_incarnation(self, worker_id: str, incarnation: str) -> None:
+        """Note which start of ``worker_id``'s process is speaking. A new one means the
+        process restarted under the same id: the leases it held then died with the old
+        process, though the new one's heartbeats keep the holder alive, so ``expire``
+        takes them back at once (leases issued from now on are the new process's)."""
+        if not incarnation:
+            return
+        before = self.incarnations.get(worker_id)
+        self.incarnations[worker_id] = incarnation
+        if before is not None and before != incarnation:
+            groups = self.state.groups
+            self.orphaned.update(
+                lease_id
+                for lease_id, (g, i) in self.active.items()
+                if groups[g].slots[i].worker_id == worker_id
+            )
+
     def on_heartbeat(self, worker_id: str, now: float, version: int | None = None) -> None:
         self.last_seen[worker_id] = now
         if version is not None:
@@ -124,8 +148,13 @@ class LeaseTable:
         never among them, however long it runs. ``revoke`` takes them (the buffer process
         logs them between the two, so a replay needs no clock or heartbeats)."""
         cfg, expired = self.cfg, {}
+        for lease_id in self.orphaned & self.active.keys():
+            expired[lease_id] = HOLDER_RESTARTED
+        self.orphaned.clear()
         for lease_id, (group_id, index) in self.active.items():
             slot = self._groups[group_id].slots[index]
+            if lease_id in expired:
+                continue
             if now - self.last_seen.get(slot.worker_id, now) > cfg.heartbeat_timeout_s:
                 expired[lease_id] = HOLDER_SILENT
             elif slot.gap_since is not None and now - slot.gap_since > cfg.gap_timeout_s:

@@ -223,6 +223,7 @@ class BufferServer:
                 self._tell({msg.worker_id: [msg.lease_id]})
             self.journal.chunk(msg, now)
         elif isinstance(msg, Heartbeat):
+            self.buffer.leases.on_incarnation(msg.worker_id, msg.incarnation)
             self.buffer.leases.on_heartbeat(msg.worker_id, now, msg.version)
         else:
             self._unexpected(msg, "chunks socket")
@@ -230,6 +231,7 @@ class BufferServer:
     def _on_lease_socket(self, frames, now: float) -> None:
         msg = self._receive(frames, "leases socket", routed=True)
         if isinstance(msg, LeaseRequest):
+            self.buffer.leases.on_incarnation(msg.worker_id, msg.incarnation)
             self.lease_waiting[frames[0].bytes] = msg
         else:
             self._unexpected(msg, "leases socket")

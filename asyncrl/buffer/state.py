@@ -72,6 +72,8 @@ class BufferState(msgspec.Struct):
     uniform_streak: dict[int, int] = msgspec.field(default_factory=dict)
     """Prompt id → its latest groups in a row whose rewards were all equal (skip_uniform)."""
     reward_sum: float = 0.0
+    filtered_since_batch: int = 0
+    """Groups dynamic sampling dropped since the last batch was taken (its bound's count)."""
     # Leases (LeaseTable).
     next_lease: int = 0
     to_lease: list[tuple[int, int]] = msgspec.field(default_factory=list)

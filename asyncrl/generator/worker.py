@@ -22,6 +22,8 @@ at exit.
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import signal
 import threading
 import time
@@ -29,7 +31,7 @@ from pathlib import Path
 
 import zmq
 
-from asyncrl.config import load_json
+from asyncrl.config import ConfigError, load_json
 from asyncrl.engine.base import StepOutput
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.remote import RemoteEngine
@@ -37,10 +39,12 @@ from asyncrl.generator.stats import GeneratorStats
 from asyncrl.interfaces import Engine
 from asyncrl.metrics import MetricsLogger
 from asyncrl.rollout import PendingLease, RolloutConfig, lease_request, record_tokens
+from asyncrl.stages.fit import fit_context
 from asyncrl.transport import client_socket, read_endpoints, write_endpoints
 from asyncrl.wire import (
     Chunk,
     Heartbeat,
+    Lease,
     LeaseGrant,
     LeaseRequest,
     LeaseRevoked,
@@ -50,6 +54,8 @@ from asyncrl.wire import (
     decode_tensors,
     encode,
 )
+
+log = logging.getLogger(__name__)
 
 
 class GeneratorWorker:
@@ -72,6 +78,10 @@ class GeneratorWorker:
         self.stop_event = threading.Event()
         self.tokens_sent = 0
         self.leases_aborted = 0  # taken back by the buffer while this generator held them
+        self.requests_refused = 0  # leases the engine could not run (see _submit)
+        # This start of the process: after a restart under the same worker id the buffer
+        # re-issues what the dead process held at once, not after a progress timeout.
+        self.incarnation = f"{os.getpid()}-{time.time_ns()}"
         self.stats = GeneratorStats()
         self.metrics = MetricsLogger(cfg.run_dir, f"generator_{worker_id}", cfg.metrics)
         self._weights = threading.Thread(target=self._receive_weights, name="weights", daemon=True)
@@ -116,7 +126,12 @@ class GeneratorWorker:
         # never saw the request (a repeat only replaces the first one there).
         again = self.asked and time.monotonic() - self.asked > 5 * self.cfg.transport.heartbeat_s
         if free > 0 and (not self.asked or again):
-            req = LeaseRequest(run_id=self.cfg.run_id, worker_id=self.worker_id, capacity=free)
+            req = LeaseRequest(
+                run_id=self.cfg.run_id,
+                worker_id=self.worker_id,
+                capacity=free,
+                incarnation=self.incarnation,
+            )
             self.dealer.send(encode(req))
             self.asked = time.monotonic()
 
@@ -132,10 +147,22 @@ class GeneratorWorker:
             if isinstance(msg, LeaseGrant):
                 now = time.time()
                 for lease in msg.leases:
-                    self.engine.submit(lease_request(lease))
-                    self.pending[lease.lease_id] = PendingLease(lease, last_flush=now)
+                    self._submit(lease, now)
             elif msg is not None:
                 self.decoder.count("unexpected", f"{type(msg).__name__} on the leases socket")
+
+    def _submit(self, lease: Lease, now: float) -> None:
+        try:
+            self.engine.submit(lease_request(lease))
+        except ValueError as e:
+            # A request the engine refuses (a prompt longer than its max_seq_len) would be
+            # refused again wherever it went: it ends as an error, which fails its group in
+            # the buffer (counted in buffer/groups_failed), instead of crashing this process.
+            self.requests_refused += 1
+            log.warning("lease %s refused by the engine: %s", lease.lease_id, e)
+            self._send(PendingLease(lease), now, finished=True, reason="error")
+            return
+        self.pending[lease.lease_id] = PendingLease(lease, last_flush=now)
 
     def _abort(self, lease_ids: list[str]) -> None:
         """Stop generating for leases the buffer took back; their unsent tokens are dropped
@@ -225,10 +252,12 @@ class GeneratorWorker:
             kind="generator",
             version=status.version,
             running=status.running,
+            incarnation=self.incarnation,
             counters={
                 "tokens_sent": float(self.tokens_sent),
                 "bad_frames": float(bad),
                 "leases_aborted": float(self.leases_aborted),
+                "requests_refused": float(self.requests_refused),
             },
         )
         self.push.send(encode(beat))
@@ -292,6 +321,14 @@ def make_engine(cfg: RolloutConfig, model_path: str, worker_id: str) -> Engine:
     """The generator's engine, as ``cfg.engine.backend`` selects. A remote engine's server
     logs go to ``RUN_DIR/logs/generator_ID_serverI.log``, and their URLs to
     ``RUN_DIR/endpoints/servers-ID.json`` (read by the trainer's NCCL publisher)."""
+    if getattr(cfg.engine, cfg.engine.backend).max_seq_len == 0:
+        # Sized by the launcher's preflight unless the policy did not exist then (a Slurm
+        # chain submits every stage at once): size it here the same way. A prompt that
+        # does not fit fails its group at run time (see _submit).
+        try:
+            fit_context(cfg)
+        except ConfigError as e:
+            log.warning("%s", e)
     if cfg.engine.backend != "remote":
         return EmbeddedEngine(model_path, cfg.engine.embedded)
     engine = RemoteEngine(

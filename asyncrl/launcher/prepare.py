@@ -69,6 +69,8 @@ def prepare(cfg: Any, adjust: Callable[[Any], None] | None = None) -> Prepared:
     them, e.g. RL's ``rollout.json``)."""
     if adjust is not None:
         adjust(cfg)
+    if hasattr(cfg, "preflight"):
+        cfg.preflight()  # checks that need the stage's inputs (e.g. prompt sizes): now, once
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     transport = getattr(cfg, "transport", None)

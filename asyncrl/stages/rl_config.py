@@ -22,7 +22,9 @@ from asyncrl.models import ModelConfig
 from asyncrl.rollout import RolloutConfig, SamplingConfig
 from asyncrl.stages.common import ProcessSpec, trainer_ranks
 from asyncrl.stages.critic import CriticConfig
+from asyncrl.stages.fit import fit_context
 from asyncrl.tasks import TaskConfig
+from asyncrl.tasks.rewards import check_rewards
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.transport import TransportConfig
 
@@ -127,8 +129,15 @@ class RLExperiment:
             self.optim.total_steps = self.rl.max_steps * self.rl.update_epochs
         if not self.rl.export_dir:
             self.rl.export_dir = str(Path(self.run_dir) / "hf")
+        if not (self.eval.stop or self.eval.stop_token_ids):
+            # Evaluate as the policy samples: the same stops, the same text scored.
+            self.eval.stop = list(self.sampling.stop)
+            self.eval.stop_token_ids = list(self.sampling.stop_token_ids)
+            self.eval.keep_stop_text = self.sampling.keep_stop_text
         try:
             self.reward.check()
+            # Imports the user's reward modules now, so a bad one fails before any process.
+            check_rewards(self.task)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if self.rl.loss.kl_in_reward and self.rl.algorithm != "ppo":
@@ -185,6 +194,11 @@ class RLExperiment:
         if self.reward.source != "verifier":
             needs.append((self.reward.model_path, self.reward_model_experiment))
         return needs
+
+    def preflight(self) -> None:
+        """What needs the starting policy, checked before any process starts: the engine's
+        context sized to the task, every prompt fitting it (``asyncrl.stages.fit``)."""
+        fit_context(self)
 
     def processes(self, config_path: str) -> list[ProcessSpec]:
         """The buffer, the generators and the trainer ranks, each restarted when it dies

@@ -1,0 +1,96 @@
+"""Sizes that fit, decided before any process of an RL run starts.
+
+The engines hold a KV cache of ``max_seq_len`` tokens per slot. Left at 0 it used to be
+the model's ``max_position_embeddings`` (131,072 for Llama-3.2: about 550 GB of fp32 cache
+at 64 slots); here it becomes what the task needs, its longest rendered prompt plus
+``sampling.max_new_tokens``. A prompt that cannot fit (with a limit set by hand, or the
+model's own) is an error naming the example, its length, the limit and the key to change,
+raised by the launcher's ``prepare`` before anything starts. The launchers call
+``fit_context`` through ``RLExperiment.preflight``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from asyncrl.config import ConfigError
+from asyncrl.models import load_tokenizer, model_config
+from asyncrl.tasks import build_task
+from asyncrl.tasks.prompts import PromptRenderer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PromptSizes:
+    """The rendered prompt lengths of a split, in tokens."""
+
+    count: int
+    longest: int
+    longest_uid: str
+    """Which example is the longest, for the error message."""
+
+
+def prompt_sizes(task_cfg: Any, tokenizer_path: str, split: str) -> PromptSizes:
+    """Render every prompt of ``split`` as the generators will and measure it."""
+    task = build_task(task_cfg)
+    renderer = PromptRenderer.for_task(task_cfg, load_tokenizer(tokenizer_path))
+    examples = task.examples(split)
+    longest, uid = 0, ""
+    for example in examples:
+        n = len(renderer.prompt_ids(example))
+        if n > longest:
+            longest, uid = n, example.uid
+    return PromptSizes(len(examples), longest, uid)
+
+
+def _limit_key(cfg: Any) -> str:
+    return f"engine.{cfg.engine.backend}.max_seq_len"
+
+
+def fit_context(cfg: Any) -> PromptSizes | None:
+    """Set the selected engine's ``max_seq_len`` to what ``cfg``'s RL split needs when it
+    is 0, and raise ``ConfigError`` when a prompt cannot fit. None (nothing checked) when
+    the policy does not exist yet: the stage that makes it runs first."""
+    if not (Path(cfg.model.path) / "config.json").is_file():
+        return None
+    sizes = prompt_sizes(cfg.task, cfg.model.path, cfg.task.rl_split)
+    engine = getattr(cfg.engine, cfg.engine.backend)
+    max_new = cfg.sampling.max_new_tokens
+    need = sizes.longest + max_new
+    positions = model_config(cfg.model.path).max_position_embeddings
+    where = f"the longest prompt ({sizes.longest_uid} of {sizes.count} in split {cfg.task.rl_split!r}) is {sizes.longest} tokens"
+    if sizes.longest >= positions:
+        raise ConfigError(
+            f"{where}; the model at {cfg.model.path} supports {positions} positions "
+            f"(max_position_embeddings): shorten or filter the prompts"
+        )
+    if engine.max_seq_len == 0:
+        engine.max_seq_len = min(need, positions)
+        if need > positions:
+            log.warning(
+                "%s; with sampling.max_new_tokens=%d completions are cut at the model's %d "
+                "positions",
+                where,
+                max_new,
+                positions,
+            )
+    elif sizes.longest >= engine.max_seq_len:
+        raise ConfigError(
+            f"{where}, which does not fit {_limit_key(cfg)}={engine.max_seq_len}: raise it "
+            f"to at least {need} (prompt + sampling.max_new_tokens), or set it to 0 to size "
+            f"it from the task"
+        )
+    elif need > engine.max_seq_len:
+        log.warning(
+            "%s: with %s=%d its completions are cut at %d tokens, below sampling.max_new_tokens=%d",
+            where,
+            _limit_key(cfg),
+            engine.max_seq_len,
+            engine.max_seq_len - sizes.longest,
+            max_new,
+        )
+    return sizes
