@@ -76,8 +76,9 @@ def launch(experiment: str, run_dir: Path, overrides: list[str]) -> tuple[dict, 
 
 
 def trainer_rows(run_dir: Path) -> list[dict]:
+    """The trainer's per-step records (SFT's and RL's both carry ``train/loss``)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
-    return [r for r in rows if r.get("process") == "trainer" and "train/step_s" in r]
+    return [r for r in rows if r.get("process") == "trainer" and "train/loss" in r]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -91,60 +92,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    out = ROOT / args.out
+def make_inputs(args: argparse.Namespace, out: Path) -> tuple[Path, Path]:
+    """The model and the data, made where missing; their paths."""
     model, data = out / f"model-{args.shape}", out / "data"
-    out.mkdir(parents=True, exist_ok=True)
-    start = time.time()
     if not (model / "config.json").is_file():
         make = ["tools/make_model.py", "--shape", args.shape, "--out", str(model)]
         run([sys.executable, *make, "--vocab", str(args.vocab)], out / "make_model.log")
     if not (data / "train.jsonl").is_file():
         make = ["tools/make_dataset.py", "--out", str(data), "--shape", "gsm8k"]
         run([sys.executable, *make, "--train", "200", "--eval", "20"], out / "make_data.log")
-    task = [f"task.train_path={data / 'train.jsonl'}", f"task.eval_path={data / 'eval.jsonl'}"]
-    sft_export = out / "sft-export"
-    # Evaluation off (eval.num_examples=0): its engine would hold two more copies of the
-    # weights, and a random-init model's accuracy says nothing.
-    sft_rss, sft_s = launch(
-        "experiments/gsm8k_sft.py",
-        out / "sft",
-        [
-            f"model.path={model}",
-            *task,
-            f"sft.max_steps={args.sft_steps}",
-            "sft.batch_size=4",
-            f"sft.export_dir={sft_export}",
-            "eval.num_examples=0",
-            "trainer.checkpoint_every=0",
-        ],
-    )
-    rl_dir = out / "grpo"
-    rl_rss, rl_s = launch(
-        "experiments/gsm8k_grpo.py",
-        rl_dir,
-        [
-            f"model.path={sft_export}",
-            *task,
-            f"rl.max_steps={args.rl_steps}",
-            "buffer.prompts_per_batch=2",
-            "buffer.samples_per_prompt=4",
-            # A random-init policy's groups are all wrong: dynamic sampling would drop
-            # every one of them.
-            "buffer.dynamic_sampling=false",
-            f"sampling.max_new_tokens={args.max_new_tokens}",
-            "engine.embedded.max_slots=8",
-            "eval.num_examples=0",
-            "trainer.checkpoint_every=0",
-        ],
-    )
+    return model, data
+
+
+def common_overrides(data: Path) -> list[str]:
+    # Evaluation off: its engine would hold two more copies of the weights, and a
+    # random-init model's accuracy says nothing. One checkpoint, at the end.
+    return [
+        f"task.train_path={data / 'train.jsonl'}",
+        f"task.eval_path={data / 'eval.jsonl'}",
+        "eval.num_examples=0",
+        "eval.every_steps=0",
+        "trainer.checkpoint_every=0",
+    ]
+
+
+def rl_figures(rl_dir: Path, rl_rss: dict[str, float]) -> dict:
     rows = trainer_rows(rl_dir)
     steps = [r["train/step_s"] for r in rows]
     publish = [r["train/weight_publish_s"] for r in rows if "train/weight_publish_s" in r]
-    figures = {
-        "shape": args.shape,
-        "sft_steps": len(trainer_rows(out / "sft")),
+    generator = json.loads((rl_dir / "generator_g0_summary.json").read_text())
+    return {
         "rl_steps": len(rows),
         # Wall time between consecutive steps (generation, waiting and training), and
         # what the first one took from the launch (model loads, the first batch).
@@ -156,8 +133,55 @@ def main(argv: list[str] | None = None) -> int:
         "peak_rss_gb_trainer": max(v for k, v in rl_rss.items() if k.startswith("trainer")),
         "peak_rss_gb_generator": max(v for k, v in rl_rss.items() if k.startswith("generator")),
         "peak_rss_gb_buffer": rl_rss.get("buffer"),
-        "peak_rss_gb_sft_trainer": max(sft_rss.values(), default=None),
+        # The trainer's blocking part of a publish (the gather and the hand-off to the
+        # sending thread); then, on the generator, seconds from a publish's arrival to
+        # its weights staged off the decode path and to their use after a decode step
+        # (means over the updates).
         "publish_s": round(statistics.median(publish), 2) if publish else None,
+        "weight_stage_s": round(generator.get("weight_stage_s", 0.0), 2),
+        "weight_flip_s": round(generator.get("weight_flip_s", 0.0), 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = ROOT / args.out
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    model, data = make_inputs(args, out)
+    sft_export = out / "sft-export"
+    sft_rss, sft_s = launch(
+        "experiments/gsm8k_sft.py",
+        out / "sft",
+        [
+            f"model.path={model}",
+            f"sft.max_steps={args.sft_steps}",
+            "sft.batch_size=4",
+            f"sft.export_dir={sft_export}",
+            *common_overrides(data),
+        ],
+    )
+    rl_rss, rl_s = launch(
+        "experiments/gsm8k_grpo.py",
+        out / "grpo",
+        [
+            f"model.path={sft_export}",
+            f"rl.max_steps={args.rl_steps}",
+            "buffer.prompts_per_batch=2",
+            "buffer.samples_per_prompt=4",
+            # A random-init policy's groups are all wrong: dynamic sampling would drop
+            # every one of them.
+            "buffer.dynamic_sampling=false",
+            f"sampling.max_new_tokens={args.max_new_tokens}",
+            "engine.embedded.max_slots=8",
+            *common_overrides(data),
+        ],
+    )
+    figures = {
+        "shape": args.shape,
+        "sft_steps": len(trainer_rows(out / "sft")),
+        **rl_figures(out / "grpo", rl_rss),
+        "peak_rss_gb_sft_trainer": max(sft_rss.values(), default=None),
         "sft_s": round(sft_s, 1),
         "rl_s": round(rl_s, 1),
         "total_s": round(time.time() - start, 1),

@@ -90,7 +90,9 @@ class TaskConfig:
     and the user turn (or a row's ``messages``), with the generation prompt; SFT and
     preference completions are the assistant turn the template writes, through its
     end-of-turn token. The same rendering serves SFT, RL, evaluation and preference data
-    (``asyncrl.tasks.prompts``)."""
+    (``asyncrl.tasks.prompts``). Engines stop at the model's EOS ids: with a base model
+    whose EOS is not the template's end of turn, add that token's id to
+    ``sampling.stop_token_ids``."""
     system_prompt: str | None = None
     """System message put first when prompt_format="chat" (a row's own system message
     wins); None: none, or the template's default where it has one."""

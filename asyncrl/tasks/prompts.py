@@ -46,6 +46,11 @@ class PromptRenderer:
         # The token a completion ends with: what the engine stops at (the model's EOS, an
         # instruct tokenizer's end of turn).
         self.end_id = tokenizer.eos_token_id
+        # Where a templated assistant turn ends: its first special token. A base model's
+        # EOS (Qwen's <|endoftext|>) need not be the template's end of turn (<|im_end|>).
+        self._turn_ends = ({self.end_id} | set(tokenizer.all_special_ids)) - {
+            tokenizer.bos_token_id
+        }
 
     @classmethod
     def for_task(cls, cfg: TaskConfig, tokenizer: PreTrainedTokenizerBase) -> PromptRenderer:
@@ -69,8 +74,8 @@ class PromptRenderer:
         """``completion`` as the answer to ``example``: its tokens through the end token.
 
         Chat: the tokens the template adds after the prompt for the assistant turn, cut
-        after the first end token (a template may write a newline after it, which the
-        engine never samples). Where the template's rendering of the whole conversation
+        after its first special token, the end of turn (a template may write a newline
+        after it, which the engine never samples). Where the template's rendering of the whole conversation
         does not start with the prompt's tokens (a tokenizer merging across the boundary),
         the completion is tokenized alone, as the engine would continue the prompt."""
         if self.chat:
@@ -79,8 +84,9 @@ class PromptRenderer:
             full = self._template(turns, add_generation_prompt=False)
             if full[: len(prompt)] == prompt:
                 rest = full[len(prompt) :]
-                if self.end_id in rest:
-                    return rest[: rest.index(self.end_id) + 1]
+                ends = [i for i, token in enumerate(rest) if token in self._turn_ends]
+                if ends:
+                    return rest[: ends[0] + 1]
         ids = self.tokenizer(completion, add_special_tokens=False)["input_ids"]
         return ids + [self.end_id]
 
