@@ -62,7 +62,10 @@ def fit_context(cfg: Any) -> PromptSizes | None:
     max_new = cfg.sampling.max_new_tokens
     need = sizes.longest + max_new
     positions = model_config(cfg.model.path).max_position_embeddings
-    where = f"the longest prompt ({sizes.longest_uid} of {sizes.count} in split {cfg.task.rl_split!r}) is {sizes.longest} tokens"
+    where = (
+        f"the longest prompt ({sizes.longest_uid} of {sizes.count} in split "
+        f"{cfg.task.rl_split!r}) is {sizes.longest} tokens"
+    )
     if sizes.longest >= positions:
         raise ConfigError(
             f"{where}; the model at {cfg.model.path} supports {positions} positions "
