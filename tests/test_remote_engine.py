@@ -202,8 +202,14 @@ def test_abort_a_running_request(two_servers):
 
 
 def perturbed_weights(model_dir: str, out_dir: Path) -> Path:
+    # Seeded: with the global generator the perturbation, and so the new weights' greedy
+    # tokens (an EOS or not), depended on which tests ran before.
     model = load_model(ModelConfig(path=model_dir))
-    state = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    gen = torch.Generator().manual_seed(0)
+    state = {
+        k: v + 0.05 * torch.randn(v.shape, generator=gen, dtype=v.dtype)
+        for k, v in model.state_dict().items()
+    }
     return write_weights_dir(state, model_dir, out_dir)
 
 
