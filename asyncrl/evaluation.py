@@ -23,6 +23,7 @@ from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from asyncrl.engine.stops import text_until_stop
 from asyncrl.models import ModelConfig
 from asyncrl.tasks import Example, Task, TaskConfig
+from asyncrl.tasks.base import score_or_error
 from asyncrl.tasks.prompts import PromptRenderer
 
 log = logging.getLogger(__name__)
@@ -139,8 +140,14 @@ def greedy_accuracy(
     texts = [
         text_until_stop(decode, ids, stop, stop_token_ids, keep_stop_text) for ids in completions
     ]
-    rewards = [_score(task, ex, text) for ex, text in zip(examples, texts)]
-    scores = [0.0 if r is None else r for r in rewards]
+    # A reward that raises scores 0, counted, as in the reward pool (logged once a call).
+    scored = [score_or_error(task, ex, text) for ex, text in zip(examples, texts)]
+    scores = [reward for reward, _ in scored]
+    errors = [(ex.uid, error) for ex, (_, error) in zip(examples, scored) if error]
+    if errors:
+        log.warning(
+            "eval reward failed on %d completions, first on %s: %s", len(errors), *errors[0]
+        )
     n = max(len(scores), 1)
     # Some verifiers give partial credit to well-formed wrong answers; accuracy counts
     # only full marks, the mean reward keeps the partial credit.
@@ -150,19 +157,8 @@ def greedy_accuracy(
         "eval/reward": sum(scores) / n,
         "eval/completion_tokens": sum(len(c) for c in completions) / n,
         "eval/truncated_frac": sum(r == "length" for r in reasons) / n,
-        "eval/reward_errors": float(rewards.count(None)),
+        "eval/reward_errors": float(len(errors)),
     } | length_percentiles("eval/length", [len(c) for c in completions])
-
-
-def _score(task: Task, example: Example, text: str) -> float | None:
-    """The reward, or None where the reward function raises (logged): scored 0 and
-    counted, as the reward pool does, since a user's reward term failing on one
-    completion must not end the run."""
-    try:
-        return float(task.score(example, text))
-    except Exception as e:
-        log.warning("eval reward failed on %s: %r", example.uid, e)
-        return None
 
 
 def length_percentiles(prefix: str, lengths: Sequence[int]) -> dict[str, float]:

@@ -60,11 +60,16 @@ class FilterWatch:
     def __init__(self, prompts_per_batch: int) -> None:
         self.prompts_per_batch = prompts_per_batch
         self.recent: deque[bool] = deque(maxlen=self.WINDOW)
+        self.dropped = 0
+        """Dropped groups in ``recent``, kept as it slides (observed once per group)."""
         self.last_warning = -math.inf
 
     def observe(self, uniform: bool, counts: dict[str, int]) -> None:
+        if len(self.recent) == self.WINDOW:
+            self.dropped -= self.recent[0]  # leaves the window with this append
         self.recent.append(uniform)
-        dropped = sum(self.recent)
+        self.dropped += uniform
+        dropped = self.dropped
         if len(self.recent) < self.WINDOW or dropped < self.SHARE * self.WINDOW:
             return
         now = time.monotonic()

@@ -22,7 +22,7 @@ from multiprocessing.queues import SimpleQueue
 from typing import Any, Literal
 
 from asyncrl.tasks import build_task
-from asyncrl.tasks.base import Split, Task, TaskConfig
+from asyncrl.tasks.base import Split, Task, TaskConfig, score_or_error
 
 log = logging.getLogger(__name__)
 
@@ -98,12 +98,13 @@ def load_task_factory(path: str | None) -> Callable[[TaskConfig], Task]:
 
 def score_safely(task: Task, split: Split, index: int, completion: str) -> tuple[float, str | None]:
     """(reward, None), or (0.0, the error) when the lookup or the scorer raises."""
+    # Returned as text, not raised: an exception that cannot be unpickled in the parent
+    # would break the whole ProcessPoolExecutor instead of failing one item.
     try:
-        return float(task.score(task.examples(split)[index], completion)), None
+        example = task.examples(split)[index]
     except Exception as e:
-        # Returned as text, not raised: an exception that cannot be unpickled in the parent
-        # would break the whole ProcessPoolExecutor instead of failing one item.
         return 0.0, f"{type(e).__name__}: {e}"
+    return score_or_error(task, example, completion)
 
 
 # Worker-process state, set once per worker by _init_worker.

@@ -11,13 +11,16 @@ interface, prompt/completion templates, answer extraction and ``build_task``.
 from __future__ import annotations
 
 import functools
+import logging
 import re
 import string
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 Split = Literal["train", "eval", "unseen"]
 
@@ -214,6 +217,45 @@ def check_common(cfg: TaskConfig, completion_fields: Sequence[str] = ("answer",)
             re.compile(cfg.answer_pattern)
         except re.error as e:
             raise ValueError(f"answer_pattern {cfg.answer_pattern!r} is not a regex: {e}") from e
+
+
+def exact_match(example: Example, completion: str, pattern: str | None, why: str = "") -> float:
+    """1.0 when the answer ``pattern`` extracts from ``completion`` equals the example's
+    reference answer (both stripped), else 0.0; a row without a reference is an error
+    (``why`` says where the reference would have come from)."""
+    if example.answer is None:
+        raise ValueError(f"{example.uid} has no reference answer to score against{why}")
+    answer = extract_answer(completion, pattern)
+    return 1.0 if answer is not None and answer == example.answer.strip() else 0.0
+
+
+def score_or_error(task: Task, example: Example, completion: str) -> tuple[float, str | None]:
+    """(reward, None), or (0.0, the error as text) when the task's scorer raises: a reward
+    function failing on one completion scores it 0 and is counted, never ends a run."""
+    try:
+        return float(task.score(example, completion)), None
+    except Exception as e:
+        return 0.0, f"{type(e).__name__}: {e}"
+
+
+def held_out(
+    examples: list[Example],
+    train: Sequence[Example],
+    path: str,
+    train_path: str | None,
+    key: Callable[[Example], Any] = lambda e: e.prompt,
+) -> list[Example]:
+    """The eval ``examples`` whose ``key`` (the prompt) occurs in no ``train`` example:
+    held-out must be held out. Dropping some is logged; dropping all is a DataError."""
+    train_keys = {key(e) for e in train}
+    kept = [e for e in examples if key(e) not in train_keys]
+    if not kept:
+        raise DataError(f"{path}: every eval prompt also occurs in {train_path}")
+    if len(kept) < len(examples):
+        log.warning(
+            "%s: dropped %d eval rows whose prompt occurs in train", path, len(examples) - len(kept)
+        )
+    return kept
 
 
 def clamp_reward(value: float) -> float:

@@ -23,7 +23,6 @@ naming the file, the 0-based row and the key.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import tempfile
 from collections.abc import Sequence
@@ -36,10 +35,9 @@ from asyncrl.tasks.base import (
     Split,
     TaskConfig,
     check_common,
-    extract_answer,
+    exact_match,
+    held_out,
 )
-
-log = logging.getLogger(__name__)
 
 NAMES = ("prompt", "answer", "completion", "messages", "chosen", "rejected", "system")
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -322,13 +320,11 @@ class DatasetTask:
         return self._splits[split]
 
     def score(self, example: Example, completion: str) -> float:
-        if example.answer is None:
-            raise ValueError(
-                f"{example.uid} has no reference answer to score against (no answer column, "
-                "and none could be read off its completion; see TaskConfig.reference)"
-            )
-        answer = extract_answer(completion, self.config.answer_pattern)
-        return 1.0 if answer is not None and answer == example.answer.strip() else 0.0
+        why = (
+            " (no answer column, and none could be read off its completion; see "
+            "TaskConfig.reference)"
+        )
+        return exact_match(example, completion, self.config.answer_pattern, why)
 
     def load_file(self, path: str, split: Split) -> list[Example]:
         """The rows of ``path`` as templated examples with uid f"{split}:{row}"."""
@@ -348,19 +344,9 @@ class DatasetTask:
         examples = self.load_file(path, split)
         if split == "train":
             return examples
-        # Held-out must be held out: drop eval rows whose prompt (and conversation) occur
-        # in train.
-        train_keys = {_prompt_key(e) for e in self.examples("train")}
-        held_out = [e for e in examples if _prompt_key(e) not in train_keys]
-        if not held_out:
-            raise DataError(f"{path}: every eval prompt also occurs in {self.config.train_path}")
-        if len(held_out) < len(examples):
-            log.warning(
-                "%s: dropped %d eval rows whose prompt occurs in train",
-                path,
-                len(examples) - len(held_out),
-            )
-        return held_out
+        # A conversation is part of the prompt: rows that differ only there are distinct.
+        train = self.examples("train")
+        return held_out(examples, train, path, self.config.train_path, _prompt_key)
 
 
 def _prompt_key(example: Example) -> tuple[str, str]:

@@ -12,7 +12,6 @@ present, is the reference the pair was graded against, as
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -24,10 +23,9 @@ from asyncrl.tasks.base import (
     Split,
     TaskConfig,
     check_common,
-    extract_answer,
+    exact_match,
+    held_out,
 )
-
-log = logging.getLogger(__name__)
 
 TEXT_KEYS = ("prompt", "answer", "completion", "chosen", "rejected")
 # The row kinds, as the sets of TEXT_KEYS a row may carry.
@@ -121,10 +119,7 @@ class JsonlTask:
         return self._splits[split]
 
     def score(self, example: Example, completion: str) -> float:
-        if example.answer is None:
-            raise ValueError(f"{example.uid} has no reference answer to score against")
-        answer = extract_answer(completion, self.config.answer_pattern)
-        return 1.0 if answer is not None and answer == example.answer.strip() else 0.0
+        return exact_match(example, completion, self.config.answer_pattern)
 
     def _load(self, split: Split) -> list[Example]:
         if split not in ("train", "eval"):
@@ -136,18 +131,7 @@ class JsonlTask:
         examples = [self._templated(e) for e in load_jsonl(path, split)]
         if split == "train":
             return examples
-        # Held-out must be held out: drop eval rows whose prompt also occurs in train.
-        train_prompts = {e.prompt for e in self.examples("train")}
-        held_out = [e for e in examples if e.prompt not in train_prompts]
-        if not held_out:
-            raise DataError(f"{path}: every eval prompt also occurs in {self.config.train_path}")
-        if len(held_out) < len(examples):
-            log.warning(
-                "%s: dropped %d eval rows whose prompt occurs in train",
-                path,
-                len(examples) - len(held_out),
-            )
-        return held_out
+        return held_out(examples, self.examples("train"), path, self.config.train_path)
 
     def _templated(self, example: Example) -> Example:
         completion = example.completion
