@@ -123,6 +123,15 @@ class PendingLease:
     """Weights version that produced each token."""
     last_flush: float = 0.0
     """When the last chunk went out (``time.time()``)."""
+    loss_mask: list[int] = field(default_factory=list)
+    """Episodes: one entry per token (0: the environment's); empty: all the model's."""
+    reward: float | None = None
+    """Episodes: the environment's reward, sent with the finishing chunk."""
+    episode: dict[str, float] = field(default_factory=dict)
+    """Episodes: the finished episode's figures (``Chunk.episode``)."""
+    whole_turns: bool = False
+    """Episodes: tokens go out a whole turn at a time, never in timed chunks, so that a
+    continued episode always starts at a turn's end."""
 
 
 def record_tokens(

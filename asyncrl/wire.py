@@ -80,6 +80,9 @@ class Lease(Message):
     to ``prefix_ids[i]``."""
     prefix_logprobs: list[float] = []
     prefix_versions: list[int] = []
+    prefix_mask: list[int] = []
+    """Episodes: 1 for each prefix token the model generated, 0 for the environment's
+    (observations); empty means all 1. An episode's prefix always ends at a turn's end."""
 
 
 class LeaseGrant(Message):
@@ -110,6 +113,16 @@ class Chunk(Message):
     """``versions[i]`` is the weights version that produced ``token_ids[i]``."""
     finished: bool = False
     finish_reason: str | None = None
+    loss_mask: list[int] = []
+    """Episodes: 1 for each token the model generated (trained), 0 for the environment's
+    (observations: logprob 0, version -1); empty means all 1. An episode's chunks carry
+    whole turns (a model turn and the observation that answered it)."""
+    reward: float | None = None
+    """Episodes, on the finishing chunk: the environment's reward, which is the sample's
+    reward (no verifier runs)."""
+    episode: dict[str, float] = {}
+    """Episodes, on the finishing chunk: ``turns``, ``tool_calls``, ``tool_errors`` and
+    ``env_ms`` (milliseconds in the environment), ``replay_mismatches``, for the buffer's metrics."""
 
 
 class Heartbeat(Message):

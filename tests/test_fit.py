@@ -65,6 +65,7 @@ def test_the_generator_fails_a_request_its_engine_refuses(tiny_model_dir):
     worker = GeneratorWorker.__new__(GeneratorWorker)
     worker.engine, worker.push, worker.pending = engine, _Push(), {}
     worker.requests_refused, worker.tokens_sent, worker.worker_id = 0, 0, "g0"
+    worker.episodes = None
     worker.cfg = replace(_rl_config(tiny_model_dir).rollout(), run_id="run")
     lease = Lease(
         run_id="run",

@@ -130,7 +130,7 @@ class BatchServer:
             # older weights; the exact check at consumption still catches that case.
             # Waiting is only worth it for a group not stale already (that only happens after
             # a restart), and counted once per step however often the trainer asks.
-            started = [s.versions[0] for s in group.slots if s.versions]
+            started = [first_version(s.versions) for s in group.slots if s.versions]
             if started and step - min(started) == self.gate.max_staleness:
                 if self._waited_step != step:
                     self._waited_step, self.steps_waited = step, self.steps_waited + 1
@@ -153,9 +153,15 @@ class BatchServer:
         return split_groups(per_group, world_size)
 
 
+def first_version(versions: list[int]) -> int:
+    """The version of a sample's first generated token (an episode's first turn: its
+    observations carry −1)."""
+    return next((v for v in versions if v >= 0), versions[0])
+
+
 def oldest_version(group: Group, default: int) -> int:
     """The version of the group's oldest generated token (``default`` if it has none)."""
-    return min((v for s in group.slots for v in s.versions), default=default)
+    return min((v for s in group.slots for v in s.versions if v >= 0), default=default)
 
 
 def to_sample(group: Group, slot) -> Sample:
@@ -169,7 +175,7 @@ def to_sample(group: Group, slot) -> Sample:
         token_ids=group.prompt_ids + slot.token_ids,
         logprobs=[0.0] * prompt + slot.logprobs,
         versions=[-1] * prompt + slot.versions,
-        loss_mask=[0] * prompt + [1] * len(slot.token_ids),
+        loss_mask=[0] * prompt + slot.loss_mask,
         reward=slot.reward,
         finish_reason=slot.finish_reason,
     )

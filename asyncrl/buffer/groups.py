@@ -137,6 +137,9 @@ class GroupAssembler:
         self.state.counts["samples_finished"] += 1
         self.state.counts["completion_tokens_finished"] += len(slot.token_ids)
         key = (group.group_id, slot.index)
+        if slot.env_reward is not None:  # an episode: its environment gave the reward
+            self.on_reward(key, slot.env_reward)
+            return
         self._unscored.append(
             ToScore(key, group.prompt_id, list(slot.token_ids), slot.finish_reason)
         )

@@ -96,7 +96,11 @@ class LeaseTable:
             if chunk.lease_id in self.state.revoked_alive:
                 counts["tokens_revoked_alive"] += len(chunk.token_ids)
             return
-        if not (len(chunk.token_ids) == len(chunk.logprobs) == len(chunk.versions)):
+        n = len(chunk.token_ids)
+        if not (n == len(chunk.logprobs) == len(chunk.versions)) or len(chunk.loss_mask) not in (
+            0,
+            n,
+        ):
             counts["chunks_malformed"] += 1
             return
         slot = self._groups[where[0]].slots[where[1]]
@@ -113,8 +117,12 @@ class LeaseTable:
             slot.token_ids.extend(c.token_ids)  # in place: no attribute set on the Struct
             slot.logprobs.extend(c.logprobs)
             slot.versions.extend(c.versions)
+            slot.loss_mask.extend(c.loss_mask or [1] * len(c.token_ids))
             counts["tokens_received"] += len(c.token_ids)
             if c.finished:
+                slot.env_reward = c.reward
+                for key, value in c.episode.items():
+                    counts[f"episode_{key}"] += int(value)  # counts are integers
                 self._finish(where[0], slot, c.finish_reason)
                 return
         if not slot.pending:
@@ -224,6 +232,7 @@ class LeaseTable:
             prefix_ids=list(slot.token_ids),
             prefix_logprobs=list(slot.logprobs),
             prefix_versions=list(slot.versions),
+            prefix_mask=list(slot.loss_mask) if 0 in slot.loss_mask else [],
         )
 
     def _finish(self, group_id: int, slot: Slot, reason: str | None) -> None:

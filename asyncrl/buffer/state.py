@@ -34,7 +34,11 @@ class Slot(msgspec.Struct):
     logprobs: list[float] = msgspec.field(default_factory=list)
     """Behavior logprob of each token in ``token_ids``."""
     versions: list[int] = msgspec.field(default_factory=list)
-    """Policy version that produced each token in ``token_ids``."""
+    """Policy version that produced each token in ``token_ids`` (−1: an observation)."""
+    loss_mask: list[int] = msgspec.field(default_factory=list)
+    """1 for each token of ``token_ids`` the model generated, 0 for an environment's."""
+    env_reward: float | None = None
+    """An episode's reward, from its environment (then no verifier runs)."""
     finish_reason: str | None = None
     """Why generation ended; None while it goes on."""
     reward: float | None = None

@@ -35,6 +35,7 @@ from asyncrl.config import ConfigError, load_json
 from asyncrl.engine.base import StepOutput
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.remote import RemoteEngine
+from asyncrl.episodes.driver import EpisodeDriver
 from asyncrl.generator.stats import GeneratorStats
 from asyncrl.interfaces import Engine
 from asyncrl.metrics import MetricsLogger
@@ -84,6 +85,9 @@ class GeneratorWorker:
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"
         self.stats = GeneratorStats()
         self.metrics = MetricsLogger(cfg.run_dir, f"generator_{worker_id}", cfg.metrics)
+        self.episodes: EpisodeDriver | None = None
+        if cfg.task.environment:  # multi-turn: each lease is an episode
+            self.episodes = EpisodeDriver(cfg, engine, self.pending, self._send_now)
         self._weights = threading.Thread(target=self._receive_weights, name="weights", daemon=True)
         self._weights.start()
 
@@ -92,7 +96,9 @@ class GeneratorWorker:
         try:
             while not self.stop_event.is_set():
                 self._ask_for_leases()
-                self._take_leases(block_ms=0 if self._busy() else 50)
+                self._take_leases(block_ms=0 if self._busy() else self._idle_ms())
+                if self.episodes is not None:
+                    self.episodes.poll()
                 stepped = self._busy()
                 if stepped:
                     self._step()
@@ -107,6 +113,8 @@ class GeneratorWorker:
                     last_log = now
         finally:
             self.stop_event.set()
+            if self.episodes is not None:
+                self.episodes.close()
             self._weights.join(timeout=5)
             self._close_metrics()
             self.ctx.destroy(linger=0)
@@ -119,9 +127,15 @@ class GeneratorWorker:
         status = self.engine.status()
         return status.running + status.waiting > 0
 
+    def _idle_ms(self) -> int:
+        # An environment at work answers soon: its next turn should not wait for a poll.
+        return 2 if self.episodes is not None and self.episodes.waiting() else 50
+
     def _ask_for_leases(self) -> None:
         status = self.engine.status()
         free = status.free_slots - status.waiting
+        if self.episodes is not None:  # episodes between turns hold no slot, for now
+            free -= len(self.episodes.working)
         # Asked again after a while without an answer: a buffer that died and restarted
         # never saw the request (a repeat only replaces the first one there).
         again = self.asked and time.monotonic() - self.asked > 5 * self.cfg.transport.heartbeat_s
@@ -152,6 +166,9 @@ class GeneratorWorker:
                 self.decoder.count("unexpected", f"{type(msg).__name__} on the leases socket")
 
     def _submit(self, lease: Lease, now: float) -> None:
+        if self.episodes is not None:
+            self.episodes.start(lease, now)
+            return
         try:
             self.engine.submit(lease_request(lease))
         except ValueError as e:
@@ -168,9 +185,13 @@ class GeneratorWorker:
         """Stop generating for leases the buffer took back; their unsent tokens are dropped
         (the buffer would drop them too: the next holder continues from what it has)."""
         for lease_id in lease_ids:
-            if self.pending.pop(lease_id, None) is not None:  # else finished meanwhile
+            held = self.pending.pop(lease_id, None) is not None  # else finished meanwhile
+            if held:
                 self.engine.abort(lease_id)
-                self.leases_aborted += 1
+            if self.episodes is not None and lease_id in self.episodes:
+                self.episodes.abort(lease_id)  # between turns it holds no request
+                held = True
+            self.leases_aborted += held
 
     # ---- decoding ------------------------------------------------------------------
     def _step(self) -> None:
@@ -217,14 +238,20 @@ class GeneratorWorker:
     # ---- chunks --------------------------------------------------------------------
     def _record(self, out: StepOutput, now: float) -> None:
         for p, reason in record_tokens(self.pending, out):
-            self._send(p, now, finished=True, reason=reason)
+            if p.whole_turns:
+                self.episodes.turn_finished(p, reason)
+            else:
+                self._send(p, now, finished=True, reason=reason)
 
     def _flush(self, now: float, force: bool) -> None:
         t = self.cfg.transport
         for p in self.pending.values():
             due = len(p.token_ids) >= t.chunk_tokens or (now - p.last_flush) * 1000 >= t.chunk_ms
-            if p.token_ids and (due or force):
+            if p.token_ids and (due or force) and not p.whole_turns:
                 self._send(p, now, finished=False, reason=None)
+
+    def _send_now(self, p: PendingLease, finished: bool, reason: str | None) -> None:
+        self._send(p, time.time(), finished, reason)
 
     def _send(self, p: PendingLease, now: float, finished: bool, reason: str | None) -> None:
         chunk = Chunk(
@@ -237,11 +264,14 @@ class GeneratorWorker:
             versions=p.versions,
             finished=finished,
             finish_reason=reason,
+            loss_mask=p.loss_mask,
+            reward=p.reward if finished else None,
+            episode=p.episode if finished else {},
         )
         self.push.send(encode(chunk))
         self.tokens_sent += len(p.token_ids)
         p.seq, p.last_flush = p.seq + 1, now
-        p.token_ids, p.logprobs, p.versions = [], [], []
+        p.token_ids, p.logprobs, p.versions, p.loss_mask = [], [], [], []
 
     def _heartbeat(self) -> None:
         status = self.engine.status()

@@ -59,7 +59,9 @@ def fit_context(cfg: Any) -> PromptSizes | None:
         return None
     sizes = prompt_sizes(cfg.task, cfg.model.path, cfg.task.rl_split)
     engine = getattr(cfg.engine, cfg.engine.backend)
-    max_new = cfg.sampling.max_new_tokens
+    max_new, budget = cfg.sampling.max_new_tokens, "sampling.max_new_tokens"
+    if cfg.task.environment:  # an episode's later turns see every earlier token
+        max_new, budget = cfg.task.max_episode_tokens, "task.max_episode_tokens"
     need = sizes.longest + max_new
     positions = model_config(cfg.model.path).max_position_embeddings
     where = (
@@ -75,25 +77,27 @@ def fit_context(cfg: Any) -> PromptSizes | None:
         engine.max_seq_len = min(need, positions)
         if need > positions:
             log.warning(
-                "%s; with sampling.max_new_tokens=%d completions are cut at the model's %d "
-                "positions",
+                "%s; with %s=%d completions are cut at the model's %d positions",
                 where,
+                budget,
                 max_new,
                 positions,
             )
-    elif sizes.longest >= engine.max_seq_len:
+    elif sizes.longest >= engine.max_seq_len or (
+        cfg.task.environment and need > engine.max_seq_len
+    ):
         raise ConfigError(
             f"{where}, which does not fit {_limit_key(cfg)}={engine.max_seq_len}: raise it "
-            f"to at least {need} (prompt + sampling.max_new_tokens), or set it to 0 to size "
-            f"it from the task"
+            f"to at least {need} (prompt + {budget}), or set it to 0 to size it from the task"
         )
     elif need > engine.max_seq_len:
         log.warning(
-            "%s: with %s=%d its completions are cut at %d tokens, below sampling.max_new_tokens=%d",
+            "%s: with %s=%d its completions are cut at %d tokens, below %s=%d",
             where,
             _limit_key(cfg),
             engine.max_seq_len,
             engine.max_seq_len - sizes.longest,
+            budget,
             max_new,
         )
     return sizes

@@ -19,6 +19,7 @@ import torch
 
 from asyncrl.algorithms.losses import sft_loss
 from asyncrl.balance import split_balanced
+from asyncrl.episodes.evaluate import episode_accuracy
 from asyncrl.evaluation import (
     EvalConfig,
     greedy_accuracy,
@@ -154,6 +155,8 @@ class Evaluator:
         if info.is_main and self.examples:
             prompts = tokenize_prompts(self.tokenizer, task.config, self.examples)
             longest = max(len(p) for p in prompts)
+            if task.config.environment:  # a context for the whole episode
+                longest += task.config.max_episode_tokens - cfg.eval.max_new_tokens
             self.engine = make_eval_engine(cfg.model, cfg.eval, longest, info.device)
 
     def __call__(self, core: TrainerCore) -> dict[str, float]:
@@ -162,7 +165,8 @@ class Evaluator:
         if self.engine is not None:
             self.engine.load_weights(full, core.step)
             e = self.cfg.eval
-            result = greedy_accuracy(
+            score = episode_accuracy if self.task.config.environment else greedy_accuracy
+            result = score(
                 self.engine,
                 self.tokenizer,
                 self.task,

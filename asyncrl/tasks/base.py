@@ -119,6 +119,18 @@ class TaskConfig:
     """Seed of the unseen split's candidates; must be far from `seed` and `eval_seed`."""
     unseen_candidates: int = 20000
     """Problems drawn for the unseen split before dropping those in train or eval."""
+    environment: str = ""
+    """A multi-turn task: the ``asyncrl.episodes.Environment`` subclass ("module:Class")
+    that answers each model turn. Each sample is then an episode: model turns (trained)
+    and the environment's observations (in the context, out of the loss), one token
+    sequence; its reward is the environment's. Empty: one prompt, one completion."""
+    max_turns: int = 4
+    """Model turns per episode at most (``environment``); an episode cut here finishes
+    with reason "length"."""
+    max_episode_tokens: int = 256
+    """Tokens after the prompt per episode at most, model turns and observations together
+    (``environment``): each turn's budget is the smaller of ``sampling.max_new_tokens``
+    and what is left of this; engines are sized for the longest prompt plus this."""
     full_marks_only: bool = False
     """Reward 1 for full marks and 0 for anything else. Verifiers' partial credit
     (reasoning-gym gives some to answers that merely contain the reference) is easy for

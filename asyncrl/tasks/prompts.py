@@ -22,6 +22,9 @@ from transformers import PreTrainedTokenizerBase
 
 from asyncrl.tasks.base import Example, TaskConfig
 
+_SENTINEL = "\x00asyncrl-assistant\x00"
+"""Stands for an assistant turn's content where the template's text around it is read."""
+
 
 class PromptRenderer:
     """Token ids of prompts and completions for one tokenizer and prompt format."""
@@ -89,6 +92,32 @@ class PromptRenderer:
                     return rest[: ends[0] + 1]
         ids = self.tokenizer(completion, add_special_tokens=False)["input_ids"]
         return ids + [self.end_id]
+
+    def observation_ids(self, messages: list[dict[str, str]], turn_end: int | None) -> list[int]:
+        """The token ids that follow a model turn, for an environment's ``messages``: with a
+        chat template, what the template writes after an assistant turn's content that the
+        model did not sample (Qwen's newline after ``<|im_end|>``, or the whole end of turn
+        when the model was cut short), then the messages and the generation prompt; plain,
+        the messages' contents tokenized as they are. ``turn_end`` is the model turn's last
+        token. Only these new tokens are tokenized: the model's turn is never re-tokenized."""
+        if not self.chat:
+            text = "".join(m["content"] for m in messages)
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        history = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL}]
+        before = self.tokenizer.apply_chat_template(history, tokenize=False)
+        after = self.tokenizer.apply_chat_template(
+            history + messages, add_generation_prompt=True, tokenize=False
+        )
+        if not after.startswith(before):
+            raise ValueError(
+                f"the chat template of {self.tokenizer.name_or_path!r} rewrites earlier turns "
+                f"when a {messages[0]['role']!r} turn follows: observations cannot be appended"
+            )
+        close = before[before.rindex(_SENTINEL) + len(_SENTINEL) :]
+        if turn_end is not None and turn_end in self._turn_ends:
+            sampled = self.tokenizer.decode([turn_end])
+            close = close[len(sampled) :] if close.startswith(sampled) else close
+        return self.tokenizer(close + after[len(before) :], add_special_tokens=False)["input_ids"]
 
     def _template(self, turns: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
         ids = self.tokenizer.apply_chat_template(

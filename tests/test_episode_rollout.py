@@ -1,0 +1,180 @@
+"""Episodes end to end through the buffer: a buffer process, a generator (in this process,
+its engine recorded) running a multi-turn environment, and a consumer that takes batches
+as the trainer does and publishes new weights after each. Every trained episode's tokens,
+loss mask, behavior logprobs and versions must equal, token for token, what the engine
+sampled and what the environment answered."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections import defaultdict
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import zmq
+
+from asyncrl.buffer.client import BufferClient
+from asyncrl.buffer.config import BufferConfig
+from asyncrl.config import save_json
+from asyncrl.engine.config import EngineConfig
+from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from asyncrl.generator.worker import GeneratorWorker
+from asyncrl.metrics import MetricsConfig
+from asyncrl.models import ModelConfig, load_model, load_tokenizer
+from asyncrl.rollout import RolloutConfig, SamplingConfig
+from asyncrl.tasks import TaskConfig
+from asyncrl.stages.rl_batch import to_sequences
+from asyncrl.stages.rl_config import RLConfig
+from asyncrl.transport import TransportConfig, bind, make_socket, write_endpoints
+from asyncrl.wire import encode_tensors
+from tests.episode_envs import Counter
+
+STEPS, PROMPTS, SAMPLES = 5, 2, 3
+
+
+class RecordingEngine:
+    """The embedded engine, with every request's context and every sampled token kept."""
+
+    def __init__(self, engine: EmbeddedEngine) -> None:
+        self.engine = engine
+        self.contexts: dict[str, list[list[int]]] = defaultdict(list)
+        self.sampled: dict[str, list[tuple[int, float, int]]] = defaultdict(list)
+
+    def submit(self, request):
+        self.contexts[request.request_id].append(list(request.prompt_ids))
+        return self.engine.submit(request)
+
+    def step(self):
+        out = self.engine.step()
+        for t in out.tokens:
+            self.sampled[t.request_id].append((t.token_id, t.logprob, t.version))
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def _config(tmp_path: Path, model_dir: str) -> RolloutConfig:
+    return RolloutConfig(
+        run_dir=str(tmp_path),
+        run_id="ep",
+        model=ModelConfig(path=model_dir),
+        task=TaskConfig(
+            train_size=200,
+            eval_size=10,
+            environment="tests.episode_envs:Slow",
+            max_turns=3,
+            max_episode_tokens=40,
+        ),
+        buffer=BufferConfig(prompts_per_batch=PROMPTS, samples_per_prompt=SAMPLES, max_staleness=1),
+        sampling=SamplingConfig(max_new_tokens=6, temperature=1.0),
+        transport=TransportConfig(chunk_tokens=2, chunk_ms=5.0, heartbeat_s=0.2),
+        engine=EngineConfig(embedded=EmbeddedEngineConfig(max_slots=4, max_seq_len=96)),
+        metrics=MetricsConfig(tensorboard=False, interval_s=0.5),
+    )
+
+
+def _run(tmp_path: Path, cfg: RolloutConfig, engine: RecordingEngine):
+    """Run the buffer and the generator for STEPS batches; returns the batches' samples
+    and each lease's (group id, sample index)."""
+    config_path = tmp_path / "rollout.json"
+    save_json(cfg, config_path)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "asyncrl.buffer.server", "--config", str(config_path)]
+    buffer = subprocess.Popen(cmd, stdout=open(tmp_path / "buffer.log", "wb"), env=env)
+    client = BufferClient(str(tmp_path), "ep", rank=0, transport=cfg.transport)
+    worker = GeneratorWorker(cfg, "g0", engine)
+    leases: dict[str, tuple[int, int]] = {}
+    submit = worker._submit
+
+    def record_lease(lease, now):
+        leases[lease.lease_id] = (lease.group_id, lease.sample_index)
+        submit(lease, now)
+
+    worker._submit = record_lease
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    ctx = zmq.Context()
+    weights = make_socket(ctx, zmq.PUB, cfg.transport)
+    write_endpoints(
+        tmp_path, "trainer", {"weights": bind(weights, cfg.transport, tmp_path, "trainer-w")}
+    )
+    state = load_model(cfg.model).state_dict()
+    samples = []
+    try:
+        for step in range(STEPS):
+            samples += client.request_batch(step, world_size=1, timeout_s=120).samples
+            # New weights each step (slightly moved, so their logprobs differ).
+            state = {k: v + 1e-3 * torch.randn_like(v) for k, v in state.items()}
+            weights.send_multipart(encode_tensors(step + 1, "ep", state))
+            client.announce_version(step + 1)
+    finally:
+        worker.stop()
+        thread.join(timeout=30)
+        client.close()
+        ctx.destroy(linger=0)
+        buffer.send_signal(signal.SIGTERM)
+        buffer.wait(timeout=30)
+    return samples, leases
+
+
+def test_trained_episodes_are_what_the_engine_sampled_and_the_environment_said(
+    tmp_path, tiny_model_dir
+):
+    cfg = _config(tmp_path, tiny_model_dir)
+    engine = RecordingEngine(EmbeddedEngine(tiny_model_dir, cfg.engine.embedded))
+    samples, leases = _run(tmp_path, cfg, engine)
+    engine.close()
+    tokenizer = load_tokenizer(tiny_model_dir)
+    by_sample = {where: lease for lease, where in leases.items()}
+    assert len(samples) == STEPS * PROMPTS * SAMPLES
+    versions_seen = set()
+    rl_cfg = SimpleNamespace(rl=RLConfig(), sampling=cfg.sampling)
+    for s in samples:
+        lease = by_sample[(s.group_id, s.sample_index)]
+        prompt = engine.contexts[lease][0]
+        assert s.token_ids[: len(prompt)] == prompt and not any(s.loss_mask[: len(prompt)])
+        # The model's tokens are the engine's, with their logprobs and versions, exactly.
+        model = [
+            (t, lp, v) for t, lp, v, m in zip(s.token_ids, s.logprobs, s.versions, s.loss_mask) if m
+        ]
+        assert model == engine.sampled[lease]
+        # Each turn's request was the sequence so far, and each observation (logprob 0,
+        # version -1) is the environment's answer to the turn before it, tokenized alone.
+        runs = _runs(s.loss_mask, len(prompt))
+        turn_starts = [lo for lo, _, m in runs if m]
+        assert engine.contexts[lease] == [s.token_ids[:lo] for lo in turn_starts]
+        for (lo, hi, m), nxt in zip(runs, runs[1:] + [None]):
+            if not m:
+                assert s.logprobs[lo:hi] == [0.0] * (hi - lo) and s.versions[lo:hi] == [-1] * (
+                    hi - lo
+                )
+                continue
+            if nxt is not None:
+                text = tokenizer.decode(s.token_ids[lo:hi], skip_special_tokens=True)
+                expected = tokenizer(Counter.log[text], add_special_tokens=False)["input_ids"]
+                assert s.token_ids[nxt[0] : nxt[1]] == expected
+        assert sum(m for _, _, m in runs) == 3 or s.finish_reason == "length"
+        versions_seen.add(len({v for v, m in zip(s.versions, s.loss_mask) if m}))
+        # As the RL step receives it: the same tokens, loss mask and behavior logprobs,
+        # and no advantage on an observation.
+        (seq,) = to_sequences([s], rl_cfg)
+        assert (seq.input_ids, seq.loss_mask) == (s.token_ids, s.loss_mask)
+        assert seq.fields["behavior"] == s.logprobs
+        assert all(a == 0 for a, m in zip(seq.fields["advantages"], s.loss_mask) if not m)
+    assert max(versions_seen) >= 2, "no episode saw the weights change under it"
+
+
+def _runs(mask: list[int], start: int) -> list[tuple[int, int, int]]:
+    runs = []
+    for i in range(start, len(mask)):
+        if runs and runs[-1][2] == mask[i] and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1, mask[i])
+        else:
+            runs.append((i, i + 1, mask[i]))
+    return runs
