@@ -79,26 +79,18 @@ def _config(tmp_path: Path, model_dir: str) -> RolloutConfig:
     )
 
 
-def _run(tmp_path: Path, cfg: RolloutConfig, engine: RecordingEngine):
-    """Run the buffer and the generator for STEPS batches; returns the batches' samples
-    and each lease's (group id, sample index)."""
+def _run(tmp_path: Path, cfg: RolloutConfig, engine: RecordingEngine, successor=None):
+    """Run the buffer and a generator for STEPS batches (with a ``successor`` engine, the
+    generator dies after the first batch and a second one takes over); returns the
+    batches' samples and each lease's (group id, sample index)."""
     config_path = tmp_path / "rollout.json"
     save_json(cfg, config_path)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "asyncrl.buffer.server", "--config", str(config_path)]
     buffer = subprocess.Popen(cmd, stdout=open(tmp_path / "buffer.log", "wb"), env=env)
     client = BufferClient(str(tmp_path), "ep", rank=0, transport=cfg.transport)
-    worker = GeneratorWorker(cfg, "g0", engine)
     leases: dict[str, tuple[int, int]] = {}
-    submit = worker._submit
-
-    def record_lease(lease, now):
-        leases[lease.lease_id] = (lease.group_id, lease.sample_index)
-        submit(lease, now)
-
-    worker._submit = record_lease
-    thread = threading.Thread(target=worker.run)
-    thread.start()
+    workers = [_start_worker(cfg, "g0", engine, leases)]
     ctx = zmq.Context()
     weights = make_socket(ctx, zmq.PUB, cfg.transport)
     write_endpoints(
@@ -109,18 +101,40 @@ def _run(tmp_path: Path, cfg: RolloutConfig, engine: RecordingEngine):
     try:
         for step in range(STEPS):
             samples += client.request_batch(step, world_size=1, timeout_s=120).samples
+            if step == 0 and successor is not None:
+                _stop(workers.pop())  # dies holding episodes mid-way
+                workers.append(_start_worker(cfg, "g1", successor, leases))
             # New weights each step (slightly moved, so their logprobs differ).
             state = {k: v + 1e-3 * torch.randn_like(v) for k, v in state.items()}
             weights.send_multipart(encode_tensors(step + 1, "ep", state))
             client.announce_version(step + 1)
     finally:
-        worker.stop()
-        thread.join(timeout=30)
+        for worker in workers:
+            _stop(worker)
         client.close()
         ctx.destroy(linger=0)
         buffer.send_signal(signal.SIGTERM)
         buffer.wait(timeout=30)
     return samples, leases
+
+
+def _start_worker(cfg, worker_id, engine, leases):
+    worker = GeneratorWorker(cfg, worker_id, engine)
+    submit = worker._submit
+
+    def record_lease(lease, now):
+        leases[lease.lease_id] = (lease.group_id, lease.sample_index)
+        submit(lease, now)
+
+    worker._submit = record_lease
+    worker.thread = threading.Thread(target=worker.run)
+    worker.thread.start()
+    return worker
+
+
+def _stop(worker) -> None:
+    worker.stop()
+    worker.thread.join(timeout=30)
 
 
 def test_trained_episodes_are_what_the_engine_sampled_and_the_environment_said(
@@ -168,6 +182,40 @@ def test_trained_episodes_are_what_the_engine_sampled_and_the_environment_said(
         assert seq.fields["behavior"] == s.logprobs
         assert all(a == 0 for a, m in zip(seq.fields["advantages"], s.loss_mask) if not m)
     assert max(versions_seen) >= 2, "no episode saw the weights change under it"
+
+
+def test_an_episode_continues_elsewhere_with_its_earlier_turns_unchanged(tmp_path, tiny_model_dir):
+    """The first generator dies mid-run (it stops without a word); the buffer re-issues
+    its episodes to a second one, which rebuilds each environment from the example and
+    the recorded turns and continues: every such episode starts with the dead
+    generator's whole turns, as it sampled them, and goes on with the new one's."""
+    cfg = _config(tmp_path, tiny_model_dir)
+    cfg.buffer.heartbeat_timeout_s = 1.0
+    first = RecordingEngine(EmbeddedEngine(tiny_model_dir, cfg.engine.embedded))
+    second = RecordingEngine(EmbeddedEngine(tiny_model_dir, cfg.engine.embedded))
+    samples, leases = _run(tmp_path, cfg, first, second)
+    first.close()
+    second.close()
+    continued = 0
+    for s in samples:
+        held = [lease for lease, where in leases.items() if where == (s.group_id, s.sample_index)]
+        model = [t for t, m in zip(s.token_ids, s.loss_mask) if m]
+        done = 0  # model tokens accounted for by the leases before
+        for j, lease in enumerate(held):  # in the order they were issued
+            engine = first if lease in first.contexts else second
+            sampled = [t for t, _, _ in engine.sampled[lease]]
+            if j + 1 == len(held):
+                kept = len(model) - done
+            else:  # the next holder was asked with everything this one sent
+                nxt = held[j + 1]
+                prefix = (first if nxt in first.contexts else second).contexts[nxt][0]
+                assert s.token_ids[: len(prefix)] == prefix
+                kept = sum(s.loss_mask[: len(prefix)]) - done
+                continued += kept > 0
+            assert model[done : done + kept] == sampled[:kept]
+            done += kept
+        assert done == len(model)
+    assert continued >= 1, "no episode was continued after a complete turn"
 
 
 def _runs(mask: list[int], start: int) -> list[tuple[int, int, int]]:

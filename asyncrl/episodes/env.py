@@ -22,7 +22,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.tasks.base import Example
+from asyncrl.tasks.base import Example, TaskConfig
 
 # Tools run here so that a timeout can give up waiting; a tool thread that never returns
 # is left behind (Python cannot kill a thread), which is why tools should bound their own
@@ -100,3 +100,21 @@ def load_environment(path: str) -> type[Environment]:
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ValueError(f"task.environment {path!r} is not an asyncrl Environment subclass")
     return cls
+
+
+def check_environment(task: TaskConfig) -> None:
+    """Fail now (``ValueError``) on a multi-turn task config that cannot run: a class that
+    does not import, reward terms beside the environment's reward, no turns or tokens."""
+    if not task.environment:
+        return
+    load_environment(task.environment)
+    if task.rewards and task.rewards != {"task": 1.0}:
+        raise ValueError(
+            f"task.rewards={task.rewards} and task.environment={task.environment!r}: an "
+            f"episode's reward is its environment's; fold other terms into its Step.reward"
+        )
+    if task.max_turns < 1 or task.max_episode_tokens < 1:
+        raise ValueError(
+            f"task.max_turns={task.max_turns} and task.max_episode_tokens="
+            f"{task.max_episode_tokens} must both be at least 1"
+        )

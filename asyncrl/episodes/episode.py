@@ -81,6 +81,10 @@ class Episode:
         return self.prompt_ids + self.token_ids
 
     def add_turn(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+        if not len(ids) == len(logprobs) == len(versions):
+            raise ValueError(
+                f"a turn of {len(ids)} tokens with {len(logprobs)} logprobs and {len(versions)} versions"
+            )
         self._extend(ids, logprobs, versions, 1)
         self.turns += 1
 

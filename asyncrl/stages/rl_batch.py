@@ -46,7 +46,7 @@ def to_sequences(samples: list[Sample], cfg) -> list[TokenSequence]:
         rewards = torch.tensor([[s.reward for s in members]], dtype=torch.float32)
         if cfg.rl.overlong_cache:
             lengths = torch.tensor([completion_length(s) for s in members])
-            penalty = overlong_penalty(lengths, cfg.sampling.max_new_tokens, cfg.rl.overlong_cache)
+            penalty = overlong_penalty(lengths, completion_cap(cfg), cfg.rl.overlong_cache)
             rewards = rewards + penalty  # [1, n] + [n]
         if cfg.rl.algorithm == "ppo":  # the critic turns token rewards into advantages later
             adv = rewards[0]
@@ -77,6 +77,12 @@ def trained_mask(sample: Sample, cfg) -> list[int]:
     return [0] * len(sample.loss_mask) if overlong_filtered(sample, cfg) else sample.loss_mask
 
 
+def completion_cap(cfg) -> int:
+    """The most tokens a sample can generate: a turn's budget, or an episode's (whose
+    count includes its observations, so its model tokens stay below it)."""
+    return cfg.task.max_episode_tokens if cfg.task.environment else cfg.sampling.max_new_tokens
+
+
 def completion_length(sample: Sample) -> int:
     """Generated tokens of ``sample`` (its loss mask is 1 on exactly those)."""
     return sum(sample.loss_mask)
@@ -88,7 +94,7 @@ def length_scalars(samples: list[Sample], cfg, device: torch.device) -> dict[str
     0 … ``max_new_tokens``): ``length/p50``, ``/p90``, ``/p99``, ``/max``, ``/mean``,
     ``/truncated_frac`` (finish reason ``length``) and ``/samples``; with
     ``rl.overlong_filter``, the samples and completion tokens it took out of the loss."""
-    cap = cfg.sampling.max_new_tokens
+    cap = completion_cap(cfg)
     counts = [0.0] * (cap + 1)
     truncated = filtered_tokens = 0.0
     for s in samples:

@@ -16,6 +16,7 @@ from asyncrl.buffer.config import BufferConfig
 from asyncrl.buffer.rewards import RewardConfig
 from asyncrl.config import ConfigError, save_json
 from asyncrl.engine.config import EngineConfig
+from asyncrl.episodes.env import check_environment
 from asyncrl.evaluation import EvalConfig
 from asyncrl.metrics import MetricsConfig
 from asyncrl.models import ModelConfig
@@ -138,6 +139,7 @@ class RLExperiment:
             self.reward.check()
             # Imports the user's reward modules now, so a bad one fails before any process.
             check_rewards(self.task)
+            check_environment(self.task)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if self.rl.loss.kl_in_reward and self.rl.algorithm != "ppo":
@@ -161,6 +163,11 @@ class RLExperiment:
                 raise ConfigError(
                     "placement=colocated runs the embedded engine in the trainer "
                     "process: set engine.backend=embedded or placement=async"
+                )
+            if self.task.environment:
+                raise ConfigError(
+                    "placement=colocated generates single completions: a task.environment "
+                    "needs placement=async"
                 )
             self.buffer.max_staleness = 0  # step i trains only on tokens of version i
         if self.engine.backend == "remote":

@@ -19,6 +19,8 @@ import torch
 
 from asyncrl.algorithms.losses import sft_loss
 from asyncrl.balance import split_balanced
+from asyncrl.config import ConfigError
+from asyncrl.episodes.env import check_environment
 from asyncrl.episodes.evaluate import episode_accuracy
 from asyncrl.evaluation import (
     EvalConfig,
@@ -97,6 +99,10 @@ class SFTExperiment:
             self.sft.export_dir = str(Path(self.run_dir) / "hf")
         if self.optim.total_steps <= 0:
             self.optim.total_steps = self.sft.max_steps
+        try:  # evaluation runs its episodes: a bad environment fails before any process
+            check_environment(self.task)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 class SFTData:
