@@ -8,14 +8,17 @@ without a GPU, and runs unchanged against a real sglang server. Start it with
 
 This module is the HTTP layer (aiohttp) and the entry point. ``serve_engine.EngineServer``
 owns the engine and the task that steps it, so requests from every connection batch
-together; ``serve_protocol`` parses ``/generate`` bodies and shapes the responses.
+together; ``serve_protocol`` parses ``/generate`` bodies and shapes the responses, and
+``openai_api`` adds OpenAI's endpoints on the same engine.
 
 Endpoints (sglang's names and shapes; see serve_protocol for ``/generate``):
 ``POST /generate``, ``POST /abort_request`` (``rid`` or ``abort_all``),
 ``POST /pause_generation``, ``POST /continue_generation``, ``POST
 /update_weights_from_disk``, ``GET /get_weight_version``, ``GET /get_model_info``,
 ``GET /get_server_info``, ``GET /health`` and ``/health_generate``, ``GET|POST
-/flush_cache``, ``POST /slow_down``.
+/flush_cache``, ``POST /slow_down``; and OpenAI's (vLLM's flavour, see
+``asyncrl.engine.openai_api``): ``POST /v1/completions``, ``POST /v1/chat/completions``,
+``GET /v1/models``.
 
 Where this server departs from sglang, and why:
 
@@ -46,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import signal
 import sys
@@ -55,8 +57,9 @@ import msgspec
 from aiohttp import web
 
 from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from asyncrl.engine.openai_api import OpenAIApi
 from asyncrl.engine.serve_engine import EngineServer, Flight
-from asyncrl.engine.serve_protocol import BadRequest, parse_generate
+from asyncrl.engine.serve_protocol import BadRequest, decode_body, parse_generate
 
 log = logging.getLogger("asyncrl.serve")
 
@@ -85,13 +88,7 @@ async def _read_json(request: web.Request, empty_ok: bool = False) -> dict:
     raw = await request.read()
     if not raw.strip() and empty_ok:
         return {}
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    return body
+    return decode_body(raw)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -266,6 +263,7 @@ def build_app(server: EngineServer) -> web.Application:
     app.router.add_get("/health_generate", health)
     app.router.add_route("*", "/flush_cache", flush_cache)
     app.router.add_post("/slow_down", slow_down)
+    OpenAIApi(server).add_routes(app)
     return app
 
 

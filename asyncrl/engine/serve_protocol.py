@@ -21,6 +21,7 @@ Every client error raises ``BadRequest`` with a message that names the field, e.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -98,6 +99,17 @@ _UNSUPPORTED_INPUTS = (
     "token_ids_logprob",
     "bootstrap_host",
 )
+
+
+def decode_body(raw: bytes) -> dict:
+    """A request body that must be one JSON object (both HTTP fronts read bodies so)."""
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return body
 
 
 def _is_int(value: Any) -> bool:
