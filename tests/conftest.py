@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny random-init Qwen2 model and its char tokenizer, built once."""
+"""Shared fixtures: a tiny random-init Qwen2 model and its char tokenizer, built once; a
+tinier one with the small Qwen-style BPE tokenizer and its chat template."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import os
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
 
+from asyncrl.chat_tokenizers import save_tokenizer, small_tokenizer
 from asyncrl.models import TinyModelConfig, build_tiny_model
 from asyncrl.tasks import TaskConfig, build_task
 from asyncrl.trainer.dist import init_distributed
@@ -32,6 +35,27 @@ def task():
 def tiny_model_dir(tmp_path_factory, task):
     texts = [ex.prompt + ex.completion for ex in task.examples("train")]
     return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", texts, TEST_MODEL))
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory):
+    """A tiny random Qwen2 with the small Qwen-style tokenizer and its template."""
+    tokenizer = small_tokenizer("qwen")
+    out = tmp_path_factory.mktemp("chat-model")
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    save_tokenizer(tokenizer, out)
+    return str(out)
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 from asyncrl.episodes import Environment, Step
+from asyncrl.episodes.openai_agent import AgentEnvironment
 
 
 class Counter(Environment):
@@ -35,3 +36,24 @@ class Slow(Counter):
     def step(self, turn: str) -> Step:
         self.tool(time.sleep, 0.05)
         return super().step(turn)
+
+
+class LengthAgent(AgentEnvironment):
+    """An agent written with the ``openai`` client: it asks the example's question, tells
+    the model how long its reply was, asks again, and scores 1 when the second reply is
+    longer than the first. Its conversations are kept in ``transcripts``."""
+
+    transcripts: list[list[dict[str, str]]] = []
+
+    def agent(self, client) -> float:
+        messages = [{"role": "user", "content": self.example.prompt}]
+        first = client.chat.completions.create(model=self.model, messages=messages)
+        reply = first.choices[0].message.content
+        messages += [
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": f"That was {len(reply)} characters."},
+        ]
+        second = client.chat.completions.create(model=self.model, messages=messages)
+        messages.append({"role": "assistant", "content": second.choices[0].message.content})
+        LengthAgent.transcripts.append(messages)
+        return float(len(messages[-1]["content"]) > len(reply))

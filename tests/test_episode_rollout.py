@@ -27,12 +27,12 @@ from asyncrl.generator.worker import GeneratorWorker
 from asyncrl.metrics import MetricsConfig
 from asyncrl.models import ModelConfig, load_model, load_tokenizer
 from asyncrl.rollout import RolloutConfig, SamplingConfig
-from asyncrl.tasks import TaskConfig
 from asyncrl.stages.rl_batch import to_sequences
 from asyncrl.stages.rl_config import RLConfig
+from asyncrl.tasks import TaskConfig
 from asyncrl.transport import TransportConfig, bind, make_socket, write_endpoints
 from asyncrl.wire import encode_tensors
-from tests.episode_envs import Counter
+from tests.episode_envs import Counter, LengthAgent
 
 STEPS, PROMPTS, SAMPLES = 5, 2, 3
 
@@ -59,17 +59,20 @@ class RecordingEngine:
         return getattr(self.engine, name)
 
 
-def _config(tmp_path: Path, model_dir: str) -> RolloutConfig:
+def _config(tmp_path: Path, model_dir: str, **task) -> RolloutConfig:
     return RolloutConfig(
         run_dir=str(tmp_path),
         run_id="ep",
         model=ModelConfig(path=model_dir),
         task=TaskConfig(
-            train_size=200,
-            eval_size=10,
-            environment="tests.episode_envs:Slow",
-            max_turns=3,
-            max_episode_tokens=40,
+            **{
+                "train_size": 200,
+                "eval_size": 10,
+                "environment": "tests.episode_envs:Slow",
+                "max_turns": 3,
+                "max_episode_tokens": 40,
+                **task,
+            }
         ),
         buffer=BufferConfig(prompts_per_batch=PROMPTS, samples_per_prompt=SAMPLES, max_staleness=1),
         sampling=SamplingConfig(max_new_tokens=6, temperature=1.0),
@@ -79,7 +82,7 @@ def _config(tmp_path: Path, model_dir: str) -> RolloutConfig:
     )
 
 
-def _run(tmp_path: Path, cfg: RolloutConfig, engine: RecordingEngine, successor=None):
+def _run(tmp_path: Path, cfg: RolloutConfig, engine: RecordingEngine, successor=None, steps=STEPS):
     """Run the buffer and a generator for STEPS batches (with a ``successor`` engine, the
     generator dies after the first batch and a second one takes over); returns the
     batches' samples and each lease's (group id, sample index)."""
@@ -99,7 +102,7 @@ def _run(tmp_path: Path, cfg: RolloutConfig, engine: RecordingEngine, successor=
     state = load_model(cfg.model).state_dict()
     samples = []
     try:
-        for step in range(STEPS):
+        for step in range(steps):
             samples += client.request_batch(step, world_size=1, timeout_s=120).samples
             if step == 0 and successor is not None:
                 _stop(workers.pop())  # dies holding episodes mid-way
@@ -216,6 +219,32 @@ def test_an_episode_continues_elsewhere_with_its_earlier_turns_unchanged(tmp_pat
             done += kept
         assert done == len(model)
     assert continued >= 1, "no episode was continued after a complete turn"
+
+
+def test_an_agent_written_with_the_openai_client_is_trained_as_an_episode(tmp_path, chat_model_dir):
+    """An agent that calls the chat completions API (``tests.episode_envs.LengthAgent``)
+    runs in the generator against the capture endpoint: each of its calls is a model
+    turn, each message it adds an observation, its return the reward, and the trainer
+    gets the episode as the engine sampled it."""
+    environment = "tests.episode_envs:LengthAgent"
+    task = dict(environment=environment, prompt_format="chat", max_episode_tokens=120)
+    cfg = _config(tmp_path, chat_model_dir, **task)
+    cfg.engine.embedded.max_seq_len = 200
+    engine = RecordingEngine(EmbeddedEngine(chat_model_dir, cfg.engine.embedded))
+    samples, leases = _run(tmp_path, cfg, engine, steps=2)
+    engine.close()
+    tokenizer = load_tokenizer(chat_model_dir)
+    replies = {m[-1]["content"]: m for m in LengthAgent.transcripts}
+    for s in samples:
+        lease = next(k for k, v in leases.items() if v == (s.group_id, s.sample_index))
+        model = [t for t, m in zip(s.token_ids, s.loss_mask) if m]
+        assert model == [t for t, _, _ in engine.sampled[lease]]
+        first, observed, second = _runs(s.loss_mask, len(engine.contexts[lease][0]))
+        text = lambda lo, hi: tokenizer.decode(s.token_ids[lo:hi], skip_special_tokens=True)  # noqa: E731
+        transcript = replies[text(*second[:2])]  # the agent saw the engine's turns
+        assert transcript[1]["content"] == text(*first[:2])
+        assert transcript[2]["content"] in text(*observed[:2]) and not observed[2]
+        assert s.reward == float(len(transcript[3]["content"]) > len(transcript[1]["content"]))
 
 
 def _runs(mask: list[int], start: int) -> list[tuple[int, int, int]]:

@@ -7,13 +7,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
 
 from asyncrl.buffer.config import BufferConfig
 from asyncrl.buffer.core import RolloutBuffer
 from asyncrl.buffer.scoring import InlineScoring
-from asyncrl.chat_tokenizers import QWEN_DEFAULT_SYSTEM, save_tokenizer, small_tokenizer
+from asyncrl.chat_tokenizers import QWEN_DEFAULT_SYSTEM, small_tokenizer
 from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from asyncrl.models import load_tokenizer
 from asyncrl.rollout import PendingLease, TaskPrompts, lease_request, record_tokens
@@ -100,27 +98,6 @@ def test_chat_needs_a_template():
     tokenizer.chat_template = None
     with pytest.raises(ValueError, match="no chat template.*task.prompt_format=plain"):
         PromptRenderer(tokenizer, "chat")
-
-
-@pytest.fixture(scope="module")
-def chat_model_dir(tmp_path_factory):
-    """A tiny random Qwen2 with the small Qwen-style tokenizer and its template."""
-    tokenizer = small_tokenizer("qwen")
-    out = tmp_path_factory.mktemp("chat-model")
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(out)
-    save_tokenizer(tokenizer, out)
-    return str(out)
 
 
 def test_a_trained_sample_is_the_engines_prompt_and_completion_exactly(chat_model_dir):

@@ -28,6 +28,10 @@ start a new one. When the launcher has exited, the figures come from the run dir
     batches_served_again, steps_not_replayable, leases_reissued   buffer counters
     tokens_revoked_alive                     buffer counter: tokens streamed into leases
                                              taken from live generators (lost chunks)
+    episodes_continued                       multi-turn tasks: episodes re-issued after a
+                                             whole turn, continued by another holder
+    episode_replay_mismatches                observations a rebuilt environment gave
+                                             otherwise than recorded (must be 0)
     accuracy_initial/final/peak, seconds_to_target, target_reached, trainer_wall_s
                                              held-out evaluations; seconds from the first
                                              trainer's start (seen by polling metrics.jsonl);
@@ -280,6 +284,7 @@ def check(
         "duplicated": figures["duplicated"] != 0,
         "trained_not_consumed": figures["trained_not_consumed"] != 0,
         "missing_steps": bool(figures["missing_steps"]),
+        "replay_mismatches": figures["episode_replay_mismatches"] != 0,
         "no_steps_after_last_kill": steps <= last_kill_step,
         "target_not_reached": not figures["target_reached"],
     }

@@ -130,6 +130,8 @@ def books(counters: dict, lineage_figures: dict) -> dict[str, Any]:
             "steps_not_replayable",
             "leases_reissued",
             "tokens_revoked_alive",
+            "episodes_continued",
+            "episode_replay_mismatches",
         )
     }
     ended = sum(c[f"samples_{k}"] for k in ("consumed", "stale", "filtered", "failed"))

@@ -221,6 +221,8 @@ class LeaseTable:
         self.active[slot.lease_id] = (group_id, index)
         self.progress_at[slot.lease_id] = now
         st.counts["leases_issued"] += 1
+        continued = 0 in slot.loss_mask  # an episode with a whole turn and its answer
+        st.counts["episodes_continued"] += continued
         return Lease(
             run_id=self.run_id,
             lease_id=slot.lease_id,
@@ -232,7 +234,7 @@ class LeaseTable:
             prefix_ids=list(slot.token_ids),
             prefix_logprobs=list(slot.logprobs),
             prefix_versions=list(slot.versions),
-            prefix_mask=list(slot.loss_mask) if 0 in slot.loss_mask else [],
+            prefix_mask=list(slot.loss_mask) if continued else [],
         )
 
     def _finish(self, group_id: int, slot: Slot, reason: str | None) -> None:

@@ -91,10 +91,13 @@ class EpisodeDriver:
         self.working[p.lease.lease_id] = self.pool.submit(self._respond, episode, p)
 
     def abort(self, lease_id: str) -> None:
-        """Forget a lease the buffer took back (its environment's work is left to end)."""
+        """Forget a lease the buffer took back; its environment is closed once its work
+        in the pool (building it, or answering a turn) ends."""
         entry = self.episodes.pop(lease_id, None)
-        self.working.pop(lease_id, None)
-        if entry is not None and entry[0] is not None:
+        future = self.working.pop(lease_id, None)
+        if future is not None:
+            future.add_done_callback(_close_built)
+        elif entry is not None and entry[0] is not None:
             self.pool.submit(entry[0].env.close)
 
     def poll(self) -> None:
@@ -168,3 +171,8 @@ class EpisodeDriver:
         self.episodes.pop(lease_id)
         self.send(p, True, episode.finish_reason)
         self.pool.submit(episode.env.close)
+
+
+def _close_built(future: Future) -> None:
+    if not future.cancelled() and future.exception() is None:
+        future.result().env.close()
