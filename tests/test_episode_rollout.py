@@ -240,10 +240,13 @@ def test_an_agent_written_with_the_openai_client_is_trained_as_an_episode(tmp_pa
         model = [t for t, m in zip(s.token_ids, s.loss_mask) if m]
         assert model == [t for t, _, _ in engine.sampled[lease]]
         first, observed, second = _runs(s.loss_mask, len(engine.contexts[lease][0]))
-        text = lambda lo, hi: tokenizer.decode(s.token_ids[lo:hi], skip_special_tokens=True)  # noqa: E731
-        transcript = replies[text(*second[:2])]  # the agent saw the engine's turns
-        assert transcript[1]["content"] == text(*first[:2])
-        assert transcript[2]["content"] in text(*observed[:2]) and not observed[2]
+        text = [
+            tokenizer.decode(s.token_ids[lo:hi], skip_special_tokens=True)
+            for lo, hi, _ in (first, observed, second)
+        ]
+        transcript = replies[text[2]]  # the agent saw the engine's turns
+        assert transcript[1]["content"] == text[0]
+        assert transcript[2]["content"] in text[1] and not observed[2]
         assert s.reward == float(len(transcript[3]["content"]) > len(transcript[1]["content"]))
 
 
