@@ -36,6 +36,8 @@ Reads what the processes leave in RUN_DIR: ``metrics.jsonl`` (trainer steps with
     dropped                              {"stale"|"filtered"|"failed": {samples, tokens}}
     steps_waited_for_stragglers          steps the trainer held for a long sample
     tokens_revoked_alive                 tokens generated for leases revoked from a live holder
+    episodes                             multi-turn tasks: turns, tool_calls, tool_errors and
+                                         env_ms per finished episode (null: single-turn)
     generators                           the per-generator figures behind the above
 """
 
@@ -192,6 +194,17 @@ def buffer_figures(counters: dict[str, float]) -> dict[str, Any]:
         "dropped": dropped,
         "steps_waited_for_stragglers": int(get("steps_waited_for_stragglers")),
         "tokens_revoked_alive": int(get("tokens_revoked_alive")),
+        "episodes": {  # multi-turn tasks: per finished episode
+            name: _ratio(get(f"episode_{key}") / scale, get("samples_finished"))
+            for name, key, scale in (
+                ("turns", "turns", 1),
+                ("tool_calls", "tool_calls", 1),
+                ("tool_errors", "tool_errors", 1),
+                ("env_ms", "env_us", 1000),
+            )
+        }
+        if get("episode_turns")
+        else None,
     }
 
 

@@ -122,7 +122,7 @@ class Chunk(Message):
     reward (no verifier runs)."""
     episode: dict[str, float] = {}
     """Episodes, on the finishing chunk: ``turns``, ``tool_calls``, ``tool_errors`` and
-    ``env_ms`` (milliseconds in the environment), ``replay_mismatches``, for the buffer's metrics."""
+    ``env_us`` (microseconds in the environment), ``replay_mismatches``, for the buffer's metrics."""
 
 
 class Heartbeat(Message):

@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from asyncrl.envs.calculator import write_calculator_data
+from asyncrl.models import build_tiny_model
+from tests.conftest import TEST_MODEL
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -82,3 +86,47 @@ def test_a_chaos_run_loses_nothing_and_counts_nothing_twice(tmp_path, tiny_model
     assert figures["steps"] > figures["step_at_last_kill"], context
     # Every step the restarted trainer redid got the batch the dead one had trained on.
     assert figures["steps_not_replayable"] == 0, context
+
+
+def test_a_generator_killed_mid_episode_loses_no_episode(tmp_path, tiny_model_dir):
+    """``tools/chaos.py --experiment experiments/tiny_agent.py``: generators killed while
+    they hold multi-turn episodes. No episode is lost or trained twice, episodes are
+    continued by the restarted generator after their whole turns, and every rebuilt
+    environment answered those turns as recorded (``episode_replay_mismatches``)."""
+    run_dir = tmp_path / "chaos"
+    model = build_tiny_model(tmp_path / "agent-model", calculator_texts(), TEST_MODEL)
+    overrides = [
+        f"model.path={model}",
+        "buffer.prompts_per_batch=4",
+        "buffer.samples_per_prompt=4",
+        "buffer.dynamic_sampling=false",
+        "buffer.heartbeat_timeout_s=2",
+        "transport.heartbeat_s=0.2",
+        "eval.every_steps=0",
+        "rl.max_steps=100000",
+    ]
+    cmd = [
+        *[sys.executable, "tools/chaos.py", "--experiment", "experiments/tiny_agent.py"],
+        *["--minutes", "0.6", "--calm-s", "12", "--generator-kills", "3"],
+        *["--trainer-kills", "0", "--buffer-kills", "0", "--generator-gap", "5"],
+        *["--checkpoint-every", "5", "--target", "0", "--seed", "2", "--out", str(run_dir)],
+        *["--set", *overrides],
+    ]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    log = (run_dir / "launch.log").read_text() if (run_dir / "launch.log").exists() else ""
+    assert done.stdout.strip(), done.stderr[-3000:] + log[-3000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    print(done.stdout.strip().splitlines()[-1])  # the JSON line, shown with -s
+    context = json.dumps(figures) + "\n" + log[-3000:]
+    assert done.returncode == 0 and figures["failed"] == [], context
+    assert figures["kills"]["generator"] == 3 and figures["restarts"]["generator"] >= 3, context
+    assert figures["samples_consumed"] > 0 and figures["accounting_holds"], context
+    assert figures["lost"] == 0 and figures["duplicated"] == 0, context
+    assert figures["episodes_continued"] >= 1, context
+    assert figures["episode_replay_mismatches"] == 0, context
+
+
+def calculator_texts() -> list[str]:
+    """Every text of the calculator task's files: the char tokenizer must cover them."""
+    data = write_calculator_data(ROOT / "runs" / "data" / "tiny-agent")
+    return [line for path in data.values() for line in Path(path).read_text().splitlines()]

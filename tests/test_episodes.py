@@ -6,6 +6,7 @@ failures become observations and counts, never exceptions."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -176,3 +177,19 @@ def test_a_multi_turn_config_that_cannot_run_fails_before_it_starts():
     for cfg, message in bad:
         with pytest.raises(ValueError, match=message):
             check_environment(cfg)
+
+
+def test_the_readmes_custom_environment_runs_as_shown():
+    """The README's example environment, executed as printed, under 40 lines."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Agents and tools") :]
+    code = section[section.index("```python\n") + 10 : section.index("```\n", 10)]
+    assert len(code.splitlines()) < 40
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    env = namespace["Calculator"](Example(uid="eval:0", prompt="123*45\n", answer="5535"))
+    assert env.step("calc 123*45") == Step(observation="= 5535\n")
+    assert env.step("calc 123+45").observation.startswith("= error: ")
+    assert env.step("answer 5535") == Step(reward=1.0, done=True)
+    assert env.step("what?") == Step(reward=0.0, done=True)
+    assert (env.tool_calls, env.tool_errors) == (2, 1)

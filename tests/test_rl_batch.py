@@ -52,8 +52,11 @@ def _batch(vocab: int, seed: int = 0) -> list[TokenSequence]:
     return out
 
 
-def _grouped_batch(vocab: int, sizes: list[int], seed: int = 0) -> list[TokenSequence]:
-    """Groups of samples of one prompt each, as ``to_sequences`` makes them."""
+def _grouped_batch(
+    vocab: int, sizes: list[int], seed: int = 0, episodes: bool = False
+) -> list[TokenSequence]:
+    """Groups of samples of one prompt each, as ``to_sequences`` makes them; ``episodes``:
+    each completion is a model turn, an observation (loss mask 0) and a second turn."""
     rng = random.Random(seed)
     out = []
     for n in sizes:
@@ -61,7 +64,12 @@ def _grouped_batch(vocab: int, sizes: list[int], seed: int = 0) -> list[TokenSeq
         adv = [rng.uniform(-1.5, 1.5) for _ in range(n)]
         for a in adv:
             completion = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 9))]
-            mask = [0] * len(prompt) + [1] * len(completion)
+            turns = [1] * len(completion)
+            if episodes:
+                observed, second = rng.randint(1, 5), rng.randint(1, 6)
+                completion += [rng.randrange(3, vocab) for _ in range(observed + second)]
+                turns += [0] * observed + [1] * second
+            mask = [0] * len(prompt) + turns
             behavior = [rng.uniform(-4.0, -0.5) * m for m in mask]
             fields = {"behavior": behavior, "advantages": [a * m for m in mask]}
             out.append(TokenSequence(prompt + completion, mask, fields))
@@ -127,12 +135,14 @@ def test_proximal_from_the_steps_own_forward_equals_the_separate_pass(
 
 
 @pytest.mark.parametrize("separate_pass", [False, True])
+@pytest.mark.parametrize("episodes", [False, True])
 def test_a_shared_prompt_gives_the_flat_layouts_loss_and_gradients(
-    dist_info, tiny_model_dir, separate_pass
+    dist_info, tiny_model_dir, separate_pass, episodes
 ):
     """Each group laid out as a tree over its prompt: the same loss and gradients as every
     sample on its own, with a KL term to a reference model and an entropy bonus (every
-    quantity read from the realigned logits), in fewer forward positions."""
+    quantity read from the realigned logits), in fewer forward positions; likewise for
+    episodes, whose observations inside the completion are out of the loss."""
     loss = PPOLossConfig(
         clip_low=0.2,
         clip_high=0.28,
@@ -150,7 +160,7 @@ def test_a_shared_prompt_gives_the_flat_layouts_loss_and_gradients(
         for p in reference.parameters():
             p.add_(0.05 * torch.randn_like(p))
     sizes = [4, 4, 1, 3, 4, 2, 4, 4]
-    seqs = _grouped_batch(core.model.config.vocab_size, sizes)
+    seqs = _grouped_batch(core.model.config.vocab_size, sizes, episodes=episodes)
     args = (core, seqs, cfg, separate_pass, reference, sizes)
     loss_flat, grads_flat, flat = _loss_and_grads(*args, share=False, row=64)
     loss_tree, grads_tree, tree = _loss_and_grads(*args, share=True, row=64)

@@ -153,8 +153,10 @@ def buffer_counters(buffer: RolloutBuffer, scoring: Scoring | InlineScoring) -> 
         out["buffer/generator_version_max"] = float(max(versions.values()))
         out["buffer/generator_version_min"] = float(min(versions.values()))
     episodes = st.counts["episode_turns"] and st.counts["samples_finished"]
-    for name in ("turns", "tool_calls", "tool_errors", "env_ms") if episodes else ():
+    for name in ("turns", "tool_calls", "tool_errors") if episodes else ():
         out[f"buffer/episode_{name}_mean"] = st.counts[f"episode_{name}"] / episodes
+    if episodes:
+        out["buffer/episode_env_ms_mean"] = st.counts["episode_env_us"] / episodes / 1000
     scored = st.counts["samples_scored"]
     out["buffer/reward_mean"] = st.reward_sum / scored if scored else 0.0
     out.update({f"buffer/{k}": float(v) for k, v in scoring.counters().items()})

@@ -136,7 +136,7 @@ class Episode:
             "turns": float(self.turns),
             "tool_calls": float(self.env.tool_calls),
             "tool_errors": float(self.env.tool_errors),
-            "env_ms": float(round(self.env_s * 1000)),
+            "env_us": float(round(self.env_s * 1e6)),  # the buffer's counters are integers
             "replay_mismatches": float(self.replay_mismatches),
         }
 

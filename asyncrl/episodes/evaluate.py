@@ -89,5 +89,5 @@ def _figures(episodes: list[Episode]) -> dict[str, float]:
         "eval/turns": mean(f["turns"] for f in figures),
         "eval/tool_calls": mean(f["tool_calls"] for f in figures),
         "eval/tool_errors": mean(f["tool_errors"] for f in figures),
-        "eval/env_ms": mean(f["env_ms"] for f in figures),
+        "eval/env_ms": mean(f["env_us"] for f in figures) / 1000,
     }
