@@ -60,13 +60,18 @@ def tokenize_prompts(
 
 
 def make_eval_engine(
-    model: ModelConfig, cfg: EvalConfig, longest_prompt: int, device: torch.device
+    model: ModelConfig,
+    cfg: EvalConfig,
+    longest_prompt: int,
+    device: torch.device,
+    budget: int | None = None,
 ) -> EmbeddedEngine:
     """An engine sized for evaluation: ``batch_size`` slots, each as long as the longest
-    prompt plus the generation budget, so no completion is cut short by the cache."""
+    prompt plus the generation budget (``cfg.max_new_tokens``, or a whole episode's), so
+    no completion is cut short by the cache."""
     engine_cfg = EmbeddedEngineConfig(
         max_slots=cfg.batch_size,
-        max_seq_len=longest_prompt + cfg.max_new_tokens,
+        max_seq_len=longest_prompt + (cfg.max_new_tokens if budget is None else budget),
         device="cuda" if device.type == "cuda" else "cpu",
         dtype=model.dtype,
     )

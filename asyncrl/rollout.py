@@ -16,13 +16,14 @@ from asyncrl.models import ModelConfig, load_tokenizer
 from asyncrl.tasks import Task, TaskConfig, stream_index
 from asyncrl.tasks.prompts import PromptRenderer
 from asyncrl.transport import TransportConfig
-from asyncrl.wire import Lease, SamplingSpec
+from asyncrl.wire import EpisodeFigures, Lease, SamplingSpec
 
 
 @dataclass
 class SamplingConfig:
     max_new_tokens: int = 16
-    """Tokens generated per sample at most."""
+    """Tokens generated per sample at most; per model turn for a multi-turn task (whose
+    episodes are bounded by ``task.max_episode_tokens``)."""
     temperature: float = 1.0
     """Sampling temperature (0: greedy)."""
     top_p: float = 1.0
@@ -96,16 +97,21 @@ def lease_request(lease: Lease) -> Request:
     """The engine request of a lease: its prompt plus any prefix an earlier holder
     generated, with the generation budget that prefix leaves."""
     s = lease.sampling
-    params = SamplingParams(
-        max_new_tokens=max(1, s.max_new_tokens - len(lease.prefix_ids)),
+    params = sampling_params(s, max(1, s.max_new_tokens - len(lease.prefix_ids)), s.seed)
+    return Request(lease.lease_id, lease.prompt_ids + lease.prefix_ids, params)
+
+
+def sampling_params(s: SamplingSpec, max_new_tokens: int, seed: int | None) -> SamplingParams:
+    """The engine's sampling parameters for a lease's ``s``, with this budget and seed."""
+    return SamplingParams(
+        max_new_tokens=max_new_tokens,
         temperature=s.temperature,
         top_p=s.top_p,
         top_k=s.top_k,
-        seed=s.seed,
+        seed=seed,
         stop_token_ids=list(s.stop_token_ids),
         stop=list(s.stop),
     )
-    return Request(lease.lease_id, lease.prompt_ids + lease.prefix_ids, params)
 
 
 @dataclass
@@ -127,7 +133,7 @@ class PendingLease:
     """Episodes: one entry per token (0: the environment's); empty: all the model's."""
     reward: float | None = None
     """Episodes: the environment's reward, sent with the finishing chunk."""
-    episode: dict[str, float] = field(default_factory=dict)
+    episode: EpisodeFigures | None = None
     """Episodes: the finished episode's figures (``Chunk.episode``)."""
     whole_turns: bool = False
     """Episodes: tokens go out a whole turn at a time, never in timed chunks, so that a

@@ -101,6 +101,20 @@ class LeaseRevoked(Message):
     lease_ids: list[str]
 
 
+class EpisodeFigures(msgspec.Struct, kw_only=True):
+    """What a finished episode reports (the buffer sums them into its counters)."""
+
+    turns: int = 0
+    """Model turns."""
+    tool_calls: int = 0
+    tool_errors: int = 0
+    """Tool calls that raised or timed out, and environment steps that raised."""
+    env_us: int = 0
+    """Microseconds its environment worked (building, replaying, answering)."""
+    replay_mismatches: int = 0
+    """Recorded observations its rebuilt environment answered otherwise (must be 0)."""
+
+
 class Chunk(Message):
     worker_id: str
     lease_id: str
@@ -120,9 +134,8 @@ class Chunk(Message):
     reward: float | None = None
     """Episodes, on the finishing chunk: the environment's reward, which is the sample's
     reward (no verifier runs)."""
-    episode: dict[str, float] = {}
-    """Episodes, on the finishing chunk: ``turns``, ``tool_calls``, ``tool_errors`` and
-    ``env_us`` (microseconds in the environment), ``replay_mismatches``, for the buffer's metrics."""
+    episode: EpisodeFigures | None = None
+    """Episodes, on the finishing chunk: the episode's figures, for the buffer's metrics."""
 
 
 class Heartbeat(Message):
@@ -145,7 +158,7 @@ class BatchRequest(Message):
 class Sample(msgspec.Struct, kw_only=True):
     """One finished trajectory as the trainer receives it; per-token lists have one
     entry per token of ``prompt_ids + completion_ids`` (prompt entries: logprob 0,
-    version -1, loss mask 0)."""
+    version -1, loss mask 0; an episode's observations likewise)."""
 
     prompt_id: int
     group_id: int

@@ -42,9 +42,9 @@ config = SFTExperiment(
     # tiny_sft's rate. The schedule spans a full run of 1000 steps and max_steps stops it
     # early, so a longer run's checkpoint at step k is this run's export at k.
     optim=OptimConfig(lr=1e-3, warmup_steps=20, min_lr_ratio=0.05, total_steps=1000),
-    # Stopped early on purpose, leaving held-out success for RL to add: 107 steps reach
-    # 30%. Copying the tool's result into the answer is learned abruptly: 2.5% at step
-    # 104, 57.5% at 108, 82.5% at 112, 98.5% at 130.
+    # Stopped early on purpose, leaving held-out success for RL to add (107 steps: 30%).
+    # Copying the tool's result into the answer is learned within a few steps around
+    # here, so a few steps either way move the start a lot (docs/results.md).
     sft=SFTConfig(batch_size=64, max_steps=107, export_dir="runs/models/tiny-agent-sft"),
     eval=EvalConfig(every_steps=100, num_examples=200, max_new_tokens=TURN_TOKENS, stop=[STOP]),
 )

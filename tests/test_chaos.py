@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -92,11 +93,15 @@ def test_a_generator_killed_mid_episode_loses_no_episode(tmp_path, tiny_model_di
     """``tools/chaos.py --experiment experiments/tiny_agent.py``: generators killed while
     they hold multi-turn episodes. No episode is lost or trained twice, episodes are
     continued by the restarted generator after their whole turns, and every rebuilt
-    environment answered those turns as recorded (``episode_replay_mismatches``)."""
+    environment answered those turns as recorded (``episode_replay_mismatches``). The
+    untrained test model would end every calculator episode at its first turn, so the
+    environment is one that always takes three (``tests.episode_envs.Lines``)."""
     run_dir = tmp_path / "chaos"
-    model = build_tiny_model(tmp_path / "agent-model", calculator_texts(), TEST_MODEL)
+    texts = calculator_texts(tmp_path / "data")
+    model = build_tiny_model(tmp_path / "agent-model", texts, TEST_MODEL)
     overrides = [
         f"model.path={model}",
+        "task.environment=tests.episode_envs:Lines",
         "buffer.prompts_per_batch=4",
         "buffer.samples_per_prompt=4",
         "buffer.dynamic_sampling=false",
@@ -112,7 +117,8 @@ def test_a_generator_killed_mid_episode_loses_no_episode(tmp_path, tiny_model_di
         *["--checkpoint-every", "5", "--target", "0", "--seed", "2", "--out", str(run_dir)],
         *["--set", *overrides],
     ]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))  # the launcher imports tests.episode_envs
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, env=env)
     log = (run_dir / "launch.log").read_text() if (run_dir / "launch.log").exists() else ""
     assert done.stdout.strip(), done.stderr[-3000:] + log[-3000:]
     figures = json.loads(done.stdout.strip().splitlines()[-1])
@@ -126,7 +132,7 @@ def test_a_generator_killed_mid_episode_loses_no_episode(tmp_path, tiny_model_di
     assert figures["episode_replay_mismatches"] == 0, context
 
 
-def calculator_texts() -> list[str]:
+def calculator_texts(out_dir: Path) -> list[str]:
     """Every text of the calculator task's files: the char tokenizer must cover them."""
-    data = write_calculator_data(ROOT / "runs" / "data" / "tiny-agent")
+    data = write_calculator_data(out_dir)
     return [line for path in data.values() for line in Path(path).read_text().splitlines()]

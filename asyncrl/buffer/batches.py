@@ -175,7 +175,7 @@ def to_sample(group: Group, slot) -> Sample:
         token_ids=group.prompt_ids + slot.token_ids,
         logprobs=[0.0] * prompt + slot.logprobs,
         versions=[-1] * prompt + slot.versions,
-        loss_mask=[0] * prompt + slot.loss_mask,
+        loss_mask=[0] * prompt + (slot.loss_mask or [1] * len(slot.token_ids)),
         reward=slot.reward,
         finish_reason=slot.finish_reason,
     )

@@ -23,6 +23,8 @@ hands the sample to the ``GroupAssembler``.
 
 from __future__ import annotations
 
+import msgspec
+
 from asyncrl.buffer.config import BufferConfig
 from asyncrl.buffer.groups import GroupAssembler
 from asyncrl.buffer.state import BufferState, Slot
@@ -117,12 +119,13 @@ class LeaseTable:
             slot.token_ids.extend(c.token_ids)  # in place: no attribute set on the Struct
             slot.logprobs.extend(c.logprobs)
             slot.versions.extend(c.versions)
-            slot.loss_mask.extend(c.loss_mask or [1] * len(c.token_ids))
+            slot.loss_mask.extend(c.loss_mask)  # episodes only: empty means all 1
             counts["tokens_received"] += len(c.token_ids)
             if c.finished:
                 slot.env_reward = c.reward
-                for key, value in c.episode.items():
-                    counts[f"episode_{key}"] += int(value)  # counts are integers
+                if c.episode is not None:
+                    for key, value in msgspec.structs.asdict(c.episode).items():
+                        counts[f"episode_{key}"] += value
                 self._finish(where[0], slot, c.finish_reason)
                 return
         if not slot.pending:
@@ -222,7 +225,8 @@ class LeaseTable:
         self.progress_at[slot.lease_id] = now
         st.counts["leases_issued"] += 1
         continued = 0 in slot.loss_mask  # an episode with a whole turn and its answer
-        st.counts["episodes_continued"] += continued
+        if continued:
+            st.counts["episodes_continued"] += 1
         return Lease(
             run_id=self.run_id,
             lease_id=slot.lease_id,

@@ -36,7 +36,8 @@ class Slot(msgspec.Struct):
     versions: list[int] = msgspec.field(default_factory=list)
     """Policy version that produced each token in ``token_ids`` (−1: an observation)."""
     loss_mask: list[int] = msgspec.field(default_factory=list)
-    """1 for each token of ``token_ids`` the model generated, 0 for an environment's."""
+    """Episodes: 1 for each token of ``token_ids`` the model generated, 0 for an
+    environment's; empty (every single-turn sample): all 1."""
     env_reward: float | None = None
     """An episode's reward, from its environment (then no verifier runs)."""
     finish_reason: str | None = None

@@ -16,18 +16,13 @@ crashed episode.
 from __future__ import annotations
 
 import importlib
+import queue
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.tasks.base import Example, TaskConfig
-
-# Tools run here so that a timeout can give up waiting; a tool thread that never returns
-# is left behind (Python cannot kill a thread), which is why tools should bound their own
-# work, and this pool is shared and large enough that one stuck tool blocks no episode.
-_TOOL_POOL = ThreadPoolExecutor(max_workers=16, thread_name_prefix="tool")
 
 
 @dataclass
@@ -60,6 +55,9 @@ class Environment:
     role: str = "user"
     """The chat role observations are rendered as (prompt_format="chat"); "tool" where
     the template has one."""
+    tool_calls: int = 0
+    tool_errors: int = 0
+    """Counted by ``tool`` (and by the episode, for a ``step`` that raised)."""
 
     def __init__(self, example: Example) -> None:
         self.example = example
@@ -77,15 +75,27 @@ class Environment:
         """``str(fn(*args))``, or ``"error: ..."`` when it raises or runs past
         ``timeout_s``; counted in ``tool_calls`` and ``tool_errors``."""
         self.tool_calls += 1
-        future = _TOOL_POOL.submit(fn, *args)
+        # A thread of its own, so that the timeout counts the tool's time only and a tool
+        # that never returns blocks nothing else; it is left behind (Python cannot kill a
+        # thread), which is why a tool should bound its own work.
+        result: queue.Queue = queue.Queue(maxsize=1)
+
+        def call() -> None:
+            try:
+                result.put((True, fn(*args)))
+            except Exception as e:
+                result.put((False, e))
+
+        threading.Thread(target=call, name="tool", daemon=True).start()
         try:
-            return str(future.result(timeout=timeout_s))
-        except FutureTimeout:
+            ok, value = result.get(timeout=timeout_s)
+        except queue.Empty:
             self.tool_errors += 1
             return f"error: timed out after {timeout_s:g} s"
-        except Exception as e:
+        if not ok:
             self.tool_errors += 1
-            return f"error: {type(e).__name__}: {e}"
+            return f"error: {type(value).__name__}: {value}"
+        return str(value)
 
 
 def load_environment(path: str) -> type[Environment]:
@@ -113,8 +123,9 @@ def check_environment(task: TaskConfig) -> None:
             f"task.rewards={task.rewards} and task.environment={task.environment!r}: an "
             f"episode's reward is its environment's; fold other terms into its Step.reward"
         )
-    if task.max_turns < 1 or task.max_episode_tokens < 1:
+    if min(task.max_turns, task.max_episode_tokens, task.env_threads) < 1:
         raise ValueError(
-            f"task.max_turns={task.max_turns} and task.max_episode_tokens="
-            f"{task.max_episode_tokens} must both be at least 1"
+            f"task.max_turns={task.max_turns}, task.max_episode_tokens="
+            f"{task.max_episode_tokens} and task.env_threads={task.env_threads} must all be "
+            f"at least 1"
         )

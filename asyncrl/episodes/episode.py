@@ -14,14 +14,18 @@ and the recorded observations stand.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
 from asyncrl.engine.stops import text_until_stop
 from asyncrl.episodes.env import Environment, Step
+from asyncrl.tasks.base import TaskConfig
 from asyncrl.tasks.prompts import PromptRenderer
+from asyncrl.wire import EpisodeFigures
 
 log = logging.getLogger(__name__)
 
@@ -38,20 +42,49 @@ class EpisodeRules:
     turn_tokens: int
     """Tokens per model turn at most (``sampling.max_new_tokens``)."""
     stop: list[str] = field(default_factory=list)
+    """Stop strings ending a turn (``sampling.stop``): the environment's text is cut at them."""
     stop_token_ids: list[int] = field(default_factory=list)
+    """Stop token ids ending a turn besides EOS (``sampling.stop_token_ids``)."""
     keep_stop_text: bool = False
+    """Whether the environment's text keeps the stop string (``sampling.keep_stop_text``)."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """Held while the shared tokenizer runs: environments answer in several threads, and a
+    fast tokenizer used from two at once can fail ("Already borrowed")."""
 
-    @property
-    def tokenizer(self) -> PreTrainedTokenizerBase:
-        return self.renderer.tokenizer
+    @classmethod
+    def for_task(
+        cls,
+        task: TaskConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        turn_tokens: int,
+        stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
+        keep_stop_text: bool = False,
+    ) -> EpisodeRules:
+        """The rules of ``task``'s episodes, each turn sampled up to ``turn_tokens`` tokens
+        and ended at these stops."""
+        return cls(
+            PromptRenderer.for_task(task, tokenizer),
+            max_turns=task.max_turns,
+            max_tokens=task.max_episode_tokens,
+            turn_tokens=turn_tokens,
+            stop=list(stop),
+            stop_token_ids=list(stop_token_ids),
+            keep_stop_text=keep_stop_text,
+        )
 
     def turn_text(self, ids: list[int]) -> str:
         """The text of a model turn as the environment sees it: cut at its stop."""
 
         def decode(part: list[int]) -> str:
-            return self.tokenizer.decode(part, skip_special_tokens=True)
+            return self.renderer.tokenizer.decode(part, skip_special_tokens=True)
 
-        return text_until_stop(decode, ids, self.stop, self.stop_token_ids, self.keep_stop_text)
+        with self.lock:
+            return text_until_stop(decode, ids, self.stop, self.stop_token_ids, self.keep_stop_text)
+
+    def observation_ids(self, messages: list[dict[str, str]], turn_end: int | None) -> list[int]:
+        with self.lock:
+            return self.renderer.observation_ids(messages, turn_end)
 
 
 class Episode:
@@ -96,14 +129,16 @@ class Episode:
         turn = self._last_turn()
         step = self._step(turn)
         start = len(self.token_ids)
-        if step.done or not step.observation:
+        if _ends(step):
             self.reward, self.finish_reason = float(step.reward), "stop"
             return start, start
-        observed = self._observation_ids(step.observation, turn)
-        room = self.rules.max_tokens - start
-        self._extend(observed[:room], [0.0] * len(observed[:room]), [-1] * len(observed[:room]), 0)
-        if self.turns >= self.rules.max_turns or self.budget() == 0:
+        if self.turns >= self.rules.max_turns:  # no turn follows: the observation would be idle
             self.finish_reason = "length"  # cut: the environment gave no reward
+            return start, start
+        observed = self._observation_ids(step.observation, turn)[: self.rules.max_tokens - start]
+        self._extend(observed, [0.0] * len(observed), [-1] * len(observed), 0)
+        if self.budget() == 0:
+            self.finish_reason = "length"
         return start, len(self.token_ids)
 
     def replay(
@@ -125,20 +160,20 @@ class Episode:
                 return True  # the observation is computed anew by ``respond``
             step = self._step(ids[lo:hi])
             nlo, nhi, _ = runs[k + 1]
-            answered = [] if step.done else self._observation_ids(step.observation, ids[lo:hi])
+            answered = [] if _ends(step) else self._observation_ids(step.observation, ids[lo:hi])
             if answered != ids[nlo:nhi]:
                 self.replay_mismatches += 1
         return False
 
-    def figures(self) -> dict[str, float]:
+    def figures(self) -> EpisodeFigures:
         """What the buffer's metrics count per finished episode."""
-        return {
-            "turns": float(self.turns),
-            "tool_calls": float(self.env.tool_calls),
-            "tool_errors": float(self.env.tool_errors),
-            "env_us": float(round(self.env_s * 1e6)),  # the buffer's counters are integers
-            "replay_mismatches": float(self.replay_mismatches),
-        }
+        return EpisodeFigures(
+            turns=self.turns,
+            tool_calls=int(self.env.tool_calls),
+            tool_errors=int(self.env.tool_errors),
+            env_us=round(self.env_s * 1e6),
+            replay_mismatches=self.replay_mismatches,
+        )
 
     # ---- internals -------------------------------------------------------------------
     def _step(self, turn: list[int]) -> Step:
@@ -157,7 +192,7 @@ class Episode:
             observation = [{"role": self.env.role, "content": observation}]
         elif observation and isinstance(observation[0], int):
             return list(observation)
-        return self.rules.renderer.observation_ids(list(observation), turn[-1] if turn else None)
+        return self.rules.observation_ids(list(observation), turn[-1] if turn else None)
 
     def _last_turn(self) -> list[int]:
         end = len(self.loss_mask)
@@ -171,6 +206,11 @@ class Episode:
         self.logprobs += logprobs
         self.versions += versions
         self.loss_mask += [m] * len(ids)
+
+
+def _ends(step: Step) -> bool:
+    """Whether ``step`` ends its episode: done, or nothing for the model to go on from."""
+    return step.done or not step.observation
 
 
 def _runs(mask: list[int]) -> list[tuple[int, int, int]]:

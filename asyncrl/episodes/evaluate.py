@@ -16,7 +16,6 @@ from asyncrl.episodes.env import load_environment
 from asyncrl.episodes.episode import Episode, EpisodeRules
 from asyncrl.interfaces import Engine
 from asyncrl.tasks import Example, Task
-from asyncrl.tasks.prompts import PromptRenderer
 
 
 def episode_accuracy(
@@ -34,15 +33,7 @@ def episode_accuracy(
     that earned full reward, the mean reward, and per-episode means of turns, model
     tokens, tool calls, tool errors and environment milliseconds."""
     cfg = task.config
-    rules = EpisodeRules(
-        PromptRenderer.for_task(cfg, tokenizer),
-        max_turns=cfg.max_turns,
-        max_tokens=cfg.max_episode_tokens,
-        turn_tokens=turn_tokens,
-        stop=list(stop),
-        stop_token_ids=list(stop_token_ids),
-        keep_stop_text=keep_stop_text,
-    )
+    rules = EpisodeRules.for_task(cfg, tokenizer, turn_tokens, stop, stop_token_ids, keep_stop_text)
     env_cls = load_environment(cfg.environment)
     episodes = {
         f"eval-{i}": Episode(env_cls(ex), rules.renderer.prompt_ids(ex), rules)
@@ -86,8 +77,8 @@ def _figures(episodes: list[Episode]) -> dict[str, float]:
         "eval/reward": mean(e.reward for e in episodes),
         "eval/completion_tokens": mean(sum(e.loss_mask) for e in episodes),
         "eval/truncated_frac": mean(e.finish_reason == "length" for e in episodes),
-        "eval/turns": mean(f["turns"] for f in figures),
-        "eval/tool_calls": mean(f["tool_calls"] for f in figures),
-        "eval/tool_errors": mean(f["tool_errors"] for f in figures),
-        "eval/env_ms": mean(f["env_us"] for f in figures) / 1000,
+        "eval/turns": mean(f.turns for f in figures),
+        "eval/tool_calls": mean(f.tool_calls for f in figures),
+        "eval/tool_errors": mean(f.tool_errors for f in figures),
+        "eval/env_ms": mean(f.env_us for f in figures) / 1000,
     }

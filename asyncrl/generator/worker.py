@@ -98,7 +98,7 @@ class GeneratorWorker:
                 self._ask_for_leases()
                 self._take_leases(block_ms=0 if self._busy() else self._idle_ms())
                 if self.episodes is not None:
-                    self.episodes.poll()
+                    self.episodes.poll(time.time())
                 stepped = self._busy()
                 if stepped:
                     self._step()
@@ -129,13 +129,13 @@ class GeneratorWorker:
 
     def _idle_ms(self) -> int:
         # An environment at work answers soon: its next turn should not wait for a poll.
-        return 2 if self.episodes is not None and self.episodes.waiting() else 50
+        return 2 if self.episodes is not None and self.episodes.between_turns() else 50
 
     def _ask_for_leases(self) -> None:
         status = self.engine.status()
         free = status.free_slots - status.waiting
-        if self.episodes is not None:  # episodes between turns hold no slot, for now
-            free -= len(self.episodes.working)
+        if self.episodes is not None:  # their next turns will need the slots
+            free -= self.episodes.between_turns()
         # Asked again after a while without an answer: a buffer that died and restarted
         # never saw the request (a repeat only replaces the first one there).
         again = self.asked and time.monotonic() - self.asked > 5 * self.cfg.transport.heartbeat_s
@@ -266,7 +266,7 @@ class GeneratorWorker:
             finish_reason=reason,
             loss_mask=p.loss_mask,
             reward=p.reward if finished else None,
-            episode=p.episode if finished else {},
+            episode=p.episode if finished else None,
         )
         self.push.send(encode(chunk))
         self.tokens_sent += len(p.token_ids)

@@ -75,6 +75,11 @@ def fit_context(cfg: Any) -> PromptSizes | None:
         )
     if engine.max_seq_len == 0:
         engine.max_seq_len = min(need, positions)
+        if need > positions and cfg.task.environment:  # a later turn would not fit
+            raise ConfigError(
+                f"{where}; with {budget}={max_new} an episode needs {need} positions and the "
+                f"model at {cfg.model.path} has {positions}: lower {budget}"
+            )
         if need > positions:
             log.warning(
                 "%s; with %s=%d completions are cut at the model's %d positions",

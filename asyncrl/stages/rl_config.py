@@ -164,14 +164,29 @@ class RLExperiment:
                     "placement=colocated runs the embedded engine in the trainer "
                     "process: set engine.backend=embedded or placement=async"
                 )
-            if self.task.environment:
+            if self.task.environment:  # checked here: placement is not the task's
                 raise ConfigError(
                     "placement=colocated generates single completions: a task.environment "
                     "needs placement=async"
                 )
             self.buffer.max_staleness = 0  # step i trains only on tokens of version i
+        if self.task.environment:
+            self.check_episodes()
         if self.engine.backend == "remote":
             self.check_remote()
+
+    def check_episodes(self) -> None:
+        """What a multi-turn task cannot run with: its reward is its environment's."""
+        if self.reward.source != "verifier":
+            raise ConfigError(
+                f"reward.source={self.reward.source} with task.environment: an episode's reward "
+                f"is its environment's (score with a model inside the environment instead)"
+            )
+        if self.rl.overlong_cache:
+            raise ConfigError(
+                "rl.overlong_cache shapes rewards by length near a sample's budget; an "
+                "episode's length counts its observations: set it to 0 with task.environment"
+            )
 
     def check_remote(self) -> None:
         """The remote engine's settings, and what NCCL weight updates need."""

@@ -161,9 +161,8 @@ class Evaluator:
         if info.is_main and self.examples:
             prompts = tokenize_prompts(self.tokenizer, task.config, self.examples)
             longest = max(len(p) for p in prompts)
-            if task.config.environment:  # a context for the whole episode
-                longest += task.config.max_episode_tokens - cfg.eval.max_new_tokens
-            self.engine = make_eval_engine(cfg.model, cfg.eval, longest, info.device)
+            episode = task.config.max_episode_tokens if task.config.environment else None
+            self.engine = make_eval_engine(cfg.model, cfg.eval, longest, info.device, episode)
 
     def __call__(self, core: TrainerCore) -> dict[str, float]:
         full = core.full_state_dict()  # a collective: every rank joins

@@ -131,6 +131,9 @@ class TaskConfig:
     """Tokens after the prompt per episode at most, model turns and observations together
     (``environment``): each turn's budget is the smaller of ``sampling.max_new_tokens``
     and what is left of this; engines are sized for the longest prompt plus this."""
+    env_threads: int = 8
+    """Environment steps a generator runs at once (``environment``); more wait. Raise it
+    for environments that block long (an ``AgentEnvironment`` waits for its agent)."""
     full_marks_only: bool = False
     """Reward 1 for full marks and 0 for anything else. Verifiers' partial credit
     (reasoning-gym gives some to answers that merely contain the reference) is easy for

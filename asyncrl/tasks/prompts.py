@@ -103,21 +103,18 @@ class PromptRenderer:
         if not self.chat:
             text = "".join(m["content"] for m in messages)
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        # What the template writes after an assistant turn's content, read where that turn
+        # is not the last (a template may render the last one differently, as Qwen3's
+        # does with its thinking block): only this text is new.
         history = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL}]
-        before = self.tokenizer.apply_chat_template(history, tokenize=False)
         after = self.tokenizer.apply_chat_template(
             history + messages, add_generation_prompt=True, tokenize=False
         )
-        if not after.startswith(before):
-            raise ValueError(
-                f"the chat template of {self.tokenizer.name_or_path!r} rewrites earlier turns "
-                f"when a {messages[0]['role']!r} turn follows: observations cannot be appended"
-            )
-        close = before[before.rindex(_SENTINEL) + len(_SENTINEL) :]
+        text = after[after.index(_SENTINEL) + len(_SENTINEL) :]
         if turn_end is not None and turn_end in self._turn_ends:
-            sampled = self.tokenizer.decode([turn_end])
-            close = close[len(sampled) :] if close.startswith(sampled) else close
-        return self.tokenizer(close + after[len(before) :], add_special_tokens=False)["input_ids"]
+            sampled = self.tokenizer.decode([turn_end])  # the end of turn the model wrote
+            text = text[len(sampled) :] if text.startswith(sampled) else text
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _template(self, turns: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
         ids = self.tokenizer.apply_chat_template(
