@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared check for a GPU machine: torch, transformers and tensorboard installed, no
-# sglang, no internet. Run from the repository root; it stays under 8 minutes:
+# sglang, no internet. Run from the repository root; it stays under 8 minutes (15 with vllm):
 #
 #   OUT=runs/gpu_check bash tools/gpu_check.sh
 #
@@ -9,7 +9,9 @@
 #    `pip download -d wheels msgspec pyzmq aiohttp reasoning-gym tqdm hypothesis pytest`);
 # 2. builds a ~0.47B-parameter Qwen2 (hidden 1024, 24 layers, GQA 16/4, MLP 5504) from a
 #    config with random init and the task's character tokenizer;
-# 3. runs the tests marked `gpu` (sglang ones skip: no sglang here);
+# 3. runs the tests marked `gpu` (sglang ones skip: no sglang here), then, where vllm
+#    imports, the vLLM conformance and client tests against real `vllm serve` (own timeout:
+#    vLLM takes a minute or two to start);
 # 4. runs the engine, trainer and loop benchmarks on that model on the GPU;
 # 5. writes every figure to $OUT/figures.json (and prints it as one JSON line).
 # Each part has its own timeout, so one that hangs cannot eat the others' time.
@@ -41,8 +43,17 @@ timeout 120 $PY tools/make_tiny_model.py --out "$MODEL" --force model.tiny.hidde
     model.tiny.intermediate_size=5504 model.tiny.max_positions=1024 > "$OUT/model.txt" 2>&1
 
 say "gpu tests"
-timeout 150 $PY -m pytest -q -m gpu tests > "$OUT/gpu_tests.txt" 2>&1
+timeout 150 $PY -m pytest -q -m gpu -k "not vllm" tests > "$OUT/gpu_tests.txt" 2>&1
 echo $? > "$OUT/gpu_tests.rc"
+
+if $PY -c "import vllm" 2> /dev/null; then
+    say "vllm tests (vllm $($PY -c 'import vllm; print(vllm.__version__)'))"
+    timeout 420 $PY -m pytest -q -m gpu tests/test_vllm_protocol.py tests/test_vllm_client.py \
+        > "$OUT/vllm_tests.txt" 2>&1
+    echo $? > "$OUT/vllm_tests.rc"
+else
+    say "no vllm here: its tests skipped"
+fi
 
 say "engine benchmark"
 timeout 100 $PY tools/bench_engine.py --model "$MODEL" --runs 1 --requests 128 --concurrency 64 \
@@ -69,6 +80,8 @@ def read(name):
 tests = (out / "gpu_tests.txt").read_text().strip().splitlines() if (out / "gpu_tests.txt").exists() else []
 figures = {"env": read("env.json"), "gpu_tests": tests[-1] if tests else None,
            "gpu_tests_rc": (out / "gpu_tests.rc").read_text().strip() if (out / "gpu_tests.rc").exists() else None,
+           "vllm_tests": (out / "vllm_tests.txt").read_text().strip().splitlines()[-1:] if (out / "vllm_tests.txt").exists() else None,
+           "vllm_tests_rc": (out / "vllm_tests.rc").read_text().strip() if (out / "vllm_tests.rc").exists() else None,
            "engine": read("engine.json"), "trainer": read("trainer.json"), "loop": read("loop.json")}
 figures["loop"].pop("generators", None)
 (out / "figures.json").write_text(json.dumps(figures, indent=1))

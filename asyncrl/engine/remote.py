@@ -1,32 +1,32 @@
-"""The remote engine: the ``Engine`` interface over sglang's HTTP API (DESIGN §8).
+"""The remote engine: the ``Engine`` interface over sglang's or vLLM's HTTP API (DESIGN §8).
 
 A generator with ``engine.backend="remote"`` drives one or more inference servers (sglang,
-or asyncrl's sglang-compatible front for the embedded engine) that it launches or
-attaches to (``asyncrl.engine.servers``), configured by ``RemoteEngineConfig``
-(``engine.remote.*``). The generator drives it through the same ``Engine`` protocol
-(``asyncrl.interfaces``) as the embedded engine.
+vLLM, or asyncrl's front for the embedded engine) that it launches or attaches to
+(``asyncrl.engine.servers``), configured by ``RemoteEngineConfig`` (``engine.remote.*``).
+The generator drives it through the same ``Engine`` protocol (``asyncrl.interfaces``) as
+the embedded engine. What differs between servers is one ``ServerApi`` object
+(``asyncrl.engine.server_api``: sglang's; ``asyncrl.engine.vllm_client``: vLLM's).
 
-- **Requests.** Each request is one streaming ``POST /generate`` (``input_ids``,
-  ``sampling_params``, ``return_logprob``, ``stream``, ``rid``) to the server with the
-  fewest requests in flight (at most ``max_inflight`` each; the rest wait here). A
-  background thread runs an asyncio loop with an aiohttp session; ``step`` returns the
-  tokens that arrived since the previous call, waiting up to ``STEP_WAIT_S`` when none
-  has, so the generator's loop does not spin.
-- **Tokens, logprobs, versions** (``asyncrl.engine.sglang_api``). Each token comes with
-  its logprob (``log_softmax(logits / T)``, as the embedded engine's) and its version:
-  ``meta_info.output_token_versions[i]`` when the server reports it (asyncrl's front
-  does); sglang does not, and then it is ``meta_info.weight_version`` of the response
-  chunk that first carried the token. That is exact here, because a weight update first
-  interrupts every request on the server (below), so no chunk mixes two versions.
+- **Requests.** Each attempt of a request goes to the server with the fewest requests in
+  flight (at most ``max_inflight`` each; the rest wait here): a streaming ``POST
+  /generate`` for sglang, a ``POST /v1/completions`` for vLLM. A background thread runs
+  an asyncio loop with an aiohttp session; ``step`` returns the tokens that arrived since
+  the previous call, waiting up to ``STEP_WAIT_S`` when none has, so the generator's
+  loop does not spin.
+- **Tokens, logprobs, versions.** Each token comes with its logprob (``log_softmax(logits
+  / T)``, as the embedded engine's) and its weights version: reported per token by
+  asyncrl's front, per response chunk by sglang, and for vLLM the version its server ran
+  when the attempt was sent. Each is exact because a weight update first interrupts
+  every request on the server (below), so no attempt's tokens mix two versions.
 - **Weights.** ``stage_weights(path, version)`` (the ``DiskWeightPublisher``'s
   announcements) has its ``ServerUpdates`` (``asyncrl.engine.remote_weights``) update the
-  servers one after another, so the others keep generating: ``/pause_generation`` (mode
-  ``abort``), ``/update_weights_from_disk`` {``model_path``, ``weight_version``},
-  ``/continue_generation``. A server's version advances only when it confirms; the
-  engine's version is the oldest of its servers'. Raw tensors are written as such a
+  servers one after another, so the others keep generating: the ``ServerApi`` pauses the
+  server (ending its requests), has it load the directory and resumes it (for vLLM after
+  ``_drain``: no attempt left on it). A server's version advances only when it confirms;
+  the engine's version is the oldest of its servers'. Raw tensors are written as such a
   directory first. With NCCL updates the trainer pauses, broadcasts and continues the
   servers itself; the engine follows the versions the responses report.
-- **Interruption and resumption** (AReaL's interruptible generation, on sglang). A pause
+- **Interruption and resumption** (AReaL's interruptible generation). A pause
   ends every request on the server with finish reason ``abort``; a request the caller
   did not abort is sent again as prompt + the tokens generated so far, with
   ``max_new_tokens`` reduced by their number, and the caller sees one uninterrupted
@@ -36,10 +36,11 @@ attaches to (``asyncrl.engine.servers``), configured by ``RemoteEngineConfig``
   sampled with. That is all the decoupled loss needs (DESIGN §6): it corrects each token
   by its own behavior logprob, whichever policy produced it.
 
-Differences from the embedded engine: a request's ``seed`` is not sent, and
-``max_new_tokens`` is capped so that prompt + completion fit ``max_seq_len``. Stop strings
-go with every attempt, and a server looks for them in what that attempt generates: one
-split by an interruption ends nothing (the reward's text is still cut at it).
+Differences from the embedded engine: a request's ``seed`` is not sent to sglang (vLLM
+gets it), and ``max_new_tokens`` is capped so that prompt + completion fit
+``max_seq_len``. Stop strings go with every attempt, and a server looks for them in what
+that attempt generates: one split by an interruption ends nothing (the reward's text is
+still cut at it).
 """
 
 from __future__ import annotations
@@ -57,9 +58,10 @@ from pathlib import Path
 import aiohttp
 import torch
 
-from asyncrl.engine import sglang_api as api
+from asyncrl.engine import sglang_api
 from asyncrl.engine.base import EngineStatus, Finished, GeneratedToken, Request, StepOutput, Weights
-from asyncrl.engine.remote_weights import ServerState, ServerUpdates, get_json, post_json
+from asyncrl.engine.remote_weights import ServerState, ServerUpdates
+from asyncrl.engine.server_api import Attempt, NewTokens, ServerApi, SglangServerApi
 from asyncrl.engine.servers import (
     RemoteEngineConfig,
     log_tail,
@@ -67,6 +69,7 @@ from asyncrl.engine.servers import (
     stop_servers,
     write_weights_dir,
 )
+from asyncrl.engine.vllm_client import VllmServerApi
 from asyncrl.models import model_config
 
 log = logging.getLogger(__name__)
@@ -75,6 +78,9 @@ STEP_WAIT_S = 0.05
 """``step`` waits this long for a token before returning an empty step."""
 MAX_FRUITLESS_RESENDS = 20
 """A request interrupted this many times in a row without a new token is given up (abort)."""
+DRAIN_GRACE_S = 2.0
+"""A weight update waits this long for the attempts on its server to end after the pause,
+then closes the connections of the rest (see ``_drain``)."""
 
 
 @dataclass
@@ -90,6 +96,8 @@ class _Seq:
     """The caller aborted it: report ``abort``, never resend."""
     matched: str | None = None
     """The stop string the server reported ending it."""
+    cancel: asyncio.Event | None = None
+    """Set to end the attempt in flight (a new one per attempt)."""
 
     @property
     def rid(self) -> str:
@@ -120,7 +128,8 @@ class RemoteEngine:
         self.cfg, self.model_path = cfg, model_path
         config = model_config(model_path)
         self.max_seq_len = cfg.max_seq_len or config.max_position_embeddings
-        self.eos_ids = api.eos_ids(model_path, config)
+        self.eos_ids = sglang_api.eos_ids(model_path, config)
+        self.api = server_api(cfg.server, self.eos_ids)
         self.counters = _Counters()
         self._lock = threading.Lock()  # guards the queues below and the outputs
         self._queued: deque[_Seq] = deque()
@@ -139,16 +148,21 @@ class RemoteEngine:
         )
         self._thread.start()
         self._session: aiohttp.ClientSession = self._call(self._open_session())
-        if cfg.urls:  # attached: start from the versions the servers report
+        try:  # start from the versions the servers report (attached ones may run others)
             for state in self.servers:
-                info = self._call(get_json(self._session, state.server.url, "/get_model_info"))
-                state.version = api.as_version(info.get("weight_version"), version)
+                state.version = self._call(
+                    self.api.attach(self._session, state.server.url, version)
+                )
+        except BaseException:
+            self.close()
+            raise
         self.updates = ServerUpdates(
             self.servers,
             self._session,
             self._loop,
             self._dispatch,
             min(s.version for s in self.servers),
+            self._load,
         )
 
     @property
@@ -266,6 +280,7 @@ class RemoteEngine:
                 server = min(open_, key=lambda s: s.inflight)
                 seq = self._queued.popleft()
                 seq.server, server.inflight = server, server.inflight + 1
+                seq.cancel = asyncio.Event()
                 self._running[seq.request.request_id] = seq
                 self._loop.create_task(self._attempt(seq))
 
@@ -278,16 +293,22 @@ class RemoteEngine:
                 return
             seq = self._running.get(request_id)
         if seq is not None and not seq.aborted:
-            seq.aborted = True  # its stream ends with "abort", reported then
-            abort = post_json(
-                self._session, seq.server.server.url, "/abort_request", {"rid": seq.rid}
-            )
-            self._loop.create_task(abort)
+            seq.aborted = True  # its attempt ends with "abort", reported then
+            seq.cancel.set()
+            self._loop.create_task(self.api.abort(self._session, seq.server.server.url, seq.rid))
 
     async def _attempt(self, seq: _Seq) -> None:
         server, before = seq.server, len(seq.tokens)
+        attempt = Attempt(
+            seq.rid,
+            seq.request.prompt_ids + seq.tokens,
+            seq.request.params,
+            self._budget(seq),
+            lambda new: self._take(server, seq, new),
+            seq.cancel,
+        )
         try:
-            reason, error = await self._stream(server, seq)
+            end = await self.api.generate(self._session, server, attempt)
         except (TimeoutError, aiohttp.ClientError, ValueError) as e:
             process = server.server.process
             died = process is not None and process.poll() is not None
@@ -296,14 +317,15 @@ class RemoteEngine:
                 + (f"\nthe server exited:\n{log_tail(server.server)}" if died else "")
             )
             return
+        seq.matched = end.matched
         with self._lock:
             server.inflight -= 1
             del self._running[seq.request.request_id]
             remaining = self._budget(seq)
             seq.fruitless = 0 if len(seq.tokens) > before else seq.fruitless + 1
-            if reason not in (None, "abort"):
-                self._finish(seq, reason)
-            elif seq.aborted or error or seq.fruitless > MAX_FRUITLESS_RESENDS:
+            if end.reason not in (None, "abort"):
+                self._finish(seq, end.reason)
+            elif seq.aborted or end.error or seq.fruitless > MAX_FRUITLESS_RESENDS:
                 self._finish(seq, "abort")
             elif remaining <= 0:
                 self._finish(seq, "length")
@@ -319,46 +341,33 @@ class RemoteEngine:
         used = len(seq.request.prompt_ids) + len(seq.tokens)
         return min(seq.request.params.max_new_tokens - len(seq.tokens), self.max_seq_len - used)
 
-    async def _stream(self, server: ServerState, seq: _Seq) -> tuple[str | None, bool]:
-        """One ``/generate`` attempt; records its tokens. Returns (finish reason, error)."""
-        payload = api.generate_payload(
-            seq.rid, seq.request.prompt_ids + seq.tokens, seq.request.params, self._budget(seq)
-        )
-        url, seen, reason = server.server.url, 0, None
-        async with self._session.post(f"{url}/generate", json=payload) as resp:
-            if resp.status != 200:
-                text = (await resp.text())[:300]
-                log.warning("request %s refused by %s: %s %s", seq.rid, url, resp.status, text)
-                return None, True
-            async for chunk in api.events(resp.content):
-                if "error" in chunk:
-                    log.warning("request %s failed on %s: %s", seq.rid, url, chunk["error"])
-                    return None, True
-                meta = chunk.get("meta_info", {})
-                seen = self._take(server, seq, meta, seen)
-                if meta.get("finish_reason"):
-                    reason, error = api.finish_reason(meta["finish_reason"], self.eos_ids)
-                    seq.matched = api.matched_stop(meta["finish_reason"])
-                    if error:
-                        log.warning(
-                            "request %s aborted by %s: %s", seq.rid, url, meta["finish_reason"]
-                        )
-                        return reason, True
-        return reason, False
+    def _take(self, server: ServerState, seq: _Seq, new: NewTokens) -> None:
+        """Record an attempt's new tokens. A version newer than the server's means someone
+        else (the trainer, over NCCL) updated it: the engine follows."""
+        self.updates.observe(server, max(v for _, _, v in new))
+        rid = seq.request.request_id
+        seq.tokens.extend(token for token, _, _ in new)
+        with self._arrived:
+            self._tokens.extend(GeneratedToken(rid, t, lp, v) for t, lp, v in new)
+            self.counters.tokens += len(new)
+            self._arrived.notify_all()
 
-    def _take(self, server: ServerState, seq: _Seq, meta: dict, seen: int) -> int:
-        """Record the tokens ``meta`` adds to this attempt's ``seen``; returns the new count."""
-        version = api.as_version(meta.get("weight_version"), server.version)
-        self.updates.observe(server, version)
-        new, seen = api.new_tokens(meta, seen, version)
-        if new:
-            rid = seq.request.request_id
-            seq.tokens.extend(token for token, _, _ in new)
-            with self._arrived:
-                self._tokens.extend(GeneratedToken(rid, t, lp, v) for t, lp, v in new)
-                self.counters.tokens += len(new)
-                self._arrived.notify_all()
-        return seen
+    async def _load(self, server: ServerState, path: str, version: int) -> bool:
+        """``ServerUpdates``' update of one server (no new attempt is sent to it meanwhile)."""
+        return await self.api.load_weights(self._session, server, path, version, self._drain)
+
+    async def _drain(self, server: ServerState) -> None:
+        """Return once no attempt is in flight on ``server`` (paused: they are ending).
+        After ``DRAIN_GRACE_S`` the rest are cancelled: a request that reached a vLLM
+        server after its pause waits there, and closing its connection drops it."""
+        deadline = self._loop.time() + DRAIN_GRACE_S
+        while server.inflight:
+            if self._loop.time() > deadline:
+                with self._lock:
+                    for seq in self._running.values():
+                        if seq.server is server and seq.cancel is not None:
+                            seq.cancel.set()
+            await asyncio.sleep(0.01)
 
     def _finish(self, seq: _Seq, reason: str) -> None:
         """Report ``seq`` finished; the caller holds ``self._lock``."""
@@ -377,3 +386,11 @@ class RemoteEngine:
         with self._arrived:
             self._failure = message
             self._arrived.notify_all()
+
+
+def server_api(server: str, eos_ids: set[int]) -> ServerApi:
+    """The ``ServerApi`` of ``engine.remote.server``: vLLM's for ``vllm``, sglang's for
+    ``sglang`` and ``embedded`` (the front's default API)."""
+    if server == "vllm":
+        return VllmServerApi(eos_ids)
+    return SglangServerApi(eos_ids)

@@ -3,12 +3,13 @@
 ``ServerUpdates`` is ``RemoteEngine``'s collaborator for weights: it owns the engine's
 weights version (the oldest of its servers') and the offered one, takes offers of
 versioned HF directories from any thread, and updates the servers on the engine's event
-loop, one at a time, so the others keep generating: pause the server (mode ``abort``:
-its requests in flight end, and the engine sends them again as prompt + tokens so far),
-have it load the directory (``/update_weights_from_disk``), continue. A server's version
-advances only when it confirms. A failed update is forgotten, so the trainer's next
-announcement retries it. ``ServerState`` is what the engine and this class know of one
-server; ``post_json`` and ``get_json`` are the control calls both make.
+loop, one at a time, so the others keep generating: no new request goes to the server
+being updated, and ``load`` (its ``ServerApi.load_weights``, ``asyncrl.engine.server_api``)
+interrupts its requests in flight (the engine sends them again as prompt + tokens so far)
+and has it load the directory. A server's version advances only when it confirms. A
+failed update is forgotten, so the trainer's next announcement retries it.
+``ServerState`` is what the engine and this class know of one server; ``post_json`` and
+``get_json`` are the control calls every ``ServerApi`` makes.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -78,6 +79,7 @@ class ServerUpdates:
         loop: asyncio.AbstractEventLoop,
         on_server_free: Callable[[], None],
         version: int,
+        load: Callable[[ServerState, str, int], Awaitable[bool]],
     ) -> None:
         self.servers = servers
         self.version = version
@@ -92,6 +94,7 @@ class ServerUpdates:
         """Seconds the last update took, over every server."""
         self._session, self._loop = session, loop
         self._on_server_free = on_server_free  # the engine sends it requests again
+        self._load = load  # (server, directory, version) -> whether the server confirmed
         self._changed = threading.Condition()  # guards _target, staged_version, version
         self._target: tuple[str, int] | None = None  # newest weights offered
         self._task: asyncio.Task | None = None
@@ -174,21 +177,11 @@ class ServerUpdates:
 
     async def _update_one(self, state: ServerState, path: str, version: int) -> None:
         state.updating = True
-        url = state.server.url
         try:
-            # Pausing ends the requests in flight (finish reason abort; they are resent).
-            await post_json(self._session, url, "/pause_generation", {"mode": "abort"})
-            body = await post_json(
-                self._session,
-                url,
-                "/update_weights_from_disk",
-                {"model_path": path, "weight_version": str(version)},
-            )
-            if body is not None and body.get("success", True):
+            if await self._load(state, path, version):
                 state.version = max(state.version, version)
             else:
-                log.warning("%s did not load weights v%d from %s: %s", url, version, path, body)
+                log.warning("%s did not load weights v%d from %s", state.server.url, version, path)
         finally:
-            await post_json(self._session, url, "/continue_generation", {})
             state.updating = False
             self._on_server_free()

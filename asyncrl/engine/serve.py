@@ -18,7 +18,9 @@ Endpoints (sglang's names and shapes; see serve_protocol for ``/generate``):
 ``GET /get_server_info``, ``GET /health`` and ``/health_generate``, ``GET|POST
 /flush_cache``, ``POST /slow_down``; and OpenAI's (vLLM's flavour, see
 ``asyncrl.engine.openai_api``): ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``GET /v1/models``.
+``GET /v1/models``; and vLLM's RL routes (``asyncrl.engine.vllm_api``): ``GET /version``,
+``POST /pause``, ``/resume``, ``/abort_requests``, ``/collective_rpc`` (reload_weights),
+``/update_weight_version``, ``GET /weight_info``, ``/is_paused``.
 
 Where this server departs from sglang, and why:
 
@@ -60,6 +62,7 @@ from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from asyncrl.engine.openai_api import OpenAIApi
 from asyncrl.engine.serve_engine import EngineServer, Flight
 from asyncrl.engine.serve_protocol import BadRequest, decode_body, parse_generate
+from asyncrl.engine.vllm_api import VllmApi
 
 log = logging.getLogger("asyncrl.serve")
 
@@ -264,6 +267,7 @@ def build_app(server: EngineServer) -> web.Application:
     app.router.add_route("*", "/flush_cache", flush_cache)
     app.router.add_post("/slow_down", slow_down)
     OpenAIApi(server).add_routes(app)
+    VllmApi(server).add_routes(app)  # vLLM's RL routes: /version, /pause, ...
     return app
 
 

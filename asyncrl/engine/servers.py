@@ -2,10 +2,12 @@
 attaching to them, and the weight directories they load.
 
 A generator with ``engine.backend="remote"`` drives HTTP servers that speak sglang's
-native API. It attaches to servers already running (``urls``), or launches
+native API or vLLM's. It attaches to servers already running (``urls``), or launches
 ``num_servers`` of them as subprocesses it owns: sglang itself (``python -m
-sglang.launch_server``, GPU) or asyncrl's sglang-compatible front for the embedded engine
-(``python -m asyncrl.engine.serve``, CPU, and the tests). Either way it waits for
+sglang.launch_server``, GPU), vLLM (``vllm serve`` with its RL routes and the logprobs
+the trainer recomputes, GPU; see ``asyncrl.engine.vllm_client``) or asyncrl's front for
+the embedded engine (``python -m asyncrl.engine.serve``, CPU, and the tests; it speaks
+both APIs, and ``server=vllm`` with ``urls`` drives it through vLLM's). Either way it waits for
 ``/health`` before use, and it stops what it launched on close: SIGTERM to the server's
 process group, SIGKILL after a grace period. A launched server also gets SIGTERM when
 its generator dies (``PR_SET_PDEATHSIG``, Linux), so a killed generator leaves no server
@@ -47,18 +49,20 @@ class RemoteEngineConfig:
 
     urls: list[str] = field(default_factory=list)
     """Attach to these running servers (``http://host:port``); empty: launch ``num_servers``."""
-    server: Literal["sglang", "embedded"] = "sglang"
-    """What to launch: an sglang server (GPU), or asyncrl's sglang-compatible HTTP front for
-    the embedded engine (``asyncrl.engine.serve``; CPU and tests)."""
+    server: Literal["sglang", "vllm", "embedded"] = "sglang"
+    """The servers' kind, and what to launch: an sglang server (GPU), a vLLM server (GPU,
+    ``vllm serve``, driven through vLLM's API), or asyncrl's HTTP front for the embedded
+    engine (``asyncrl.engine.serve``; CPU and tests, driven through sglang's API). Attached
+    servers are driven through vLLM's API when ``vllm``, else sglang's."""
     num_servers: int = 1
     """Servers launched per generator; requests go to the one with the fewest in flight."""
     tp_size: int = 1
-    """GPUs per sglang server (tensor parallel); launched server i uses GPUs
+    """GPUs per sglang or vLLM server (tensor parallel); launched server i uses GPUs
     ``i*tp_size …`` of the generator's visible ones. NCCL updates assume it of attached
     servers too."""
     mem_fraction_static: float = 0.0
-    """sglang's ``--mem-fraction-static`` (weights + KV cache share of GPU memory); 0 leaves
-    sglang's default."""
+    """sglang's ``--mem-fraction-static``, vLLM's ``--gpu-memory-utilization`` (weights +
+    KV cache share of GPU memory); 0 leaves the server's default."""
     base_port: int = 0
     """Port of launched server i is ``base_port + i``; 0: free ports the OS picks."""
     extra_args: list[str] = field(default_factory=list)
@@ -66,7 +70,8 @@ class RemoteEngineConfig:
     startup_timeout_s: float = 600.0
     """How long a server may take to answer ``/health`` after launch (or attach)."""
     request_timeout_s: float = 600.0
-    """Longest silence on a request's stream, or wait for a control call (weight update)."""
+    """Longest silence on a request's stream (for vLLM, whose responses are not streamed,
+    a whole attempt), or wait for a control call (weight update)."""
     max_inflight: int = 64
     """Requests outstanding per server; more wait in the engine (``engine/waiting``)."""
     max_seq_len: int = 0
@@ -77,7 +82,8 @@ class RemoteEngineConfig:
     drives them; 0 leaves torch's default. sglang ignores it."""
     weight_update: Literal["disk", "nccl"] = "disk"
     """How new weights reach the servers: ``disk``, a versioned HF directory each server
-    loads; ``nccl``, trainer rank 0 broadcasts into the servers' GPUs (GPU and sglang only)."""
+    loads; ``nccl``, trainer rank 0 broadcasts into the servers' GPUs (GPU and sglang only:
+    vLLM's weight-transfer API is not driven yet)."""
     nccl_bucket_mb: int = 512
     """With ``nccl``: tensors broadcast per ``/update_weights_from_distributed`` call."""
 
@@ -105,6 +111,11 @@ class RemoteEngineConfig:
             raise ValueError(
                 f"{p}weight_update=nccl needs sglang servers; the embedded server loads "
                 f"weights from disk only (set {p}weight_update=disk)"
+            )
+        if self.weight_update == "nccl" and self.server == "vllm":
+            raise ValueError(
+                f"{p}weight_update=nccl speaks sglang's /update_weights_from_distributed; "
+                f"vLLM's weight-transfer API is not driven yet (set {p}weight_update=disk)"
             )
         if self.nccl_bucket_mb < 1:
             raise ValueError(f"{p}nccl_bucket_mb must be >= 1")
@@ -147,6 +158,8 @@ def server_command(
             cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
         if cfg.max_seq_len:
             cmd += ["--context-length", str(cfg.max_seq_len)]
+    elif cfg.server == "vllm":
+        cmd = vllm_command(cfg, model_path, port)
     else:
         cmd = [
             sys.executable,
@@ -168,6 +181,50 @@ def server_command(
         if cfg.threads:
             cmd += ["--threads", str(cfg.threads)]
     return cmd + list(cfg.extra_args)
+
+
+def vllm_command(cfg: RemoteEngineConfig, model_path: str, port: int) -> list[str]:
+    """``vllm serve`` (run as vLLM's CLI module of this interpreter). Its GPUs are chosen
+    by ``server_env``; ``processed_logprobs`` makes the logprobs those of the distribution
+    sampled from (``asyncrl.engine.vllm_client``)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        model_path,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--tensor-parallel-size",
+        str(cfg.tp_size),
+        "--logprobs-mode",
+        "processed_logprobs",
+    ]
+    if cfg.mem_fraction_static:
+        cmd += ["--gpu-memory-utilization", str(cfg.mem_fraction_static)]
+    if cfg.max_seq_len:
+        cmd += ["--max-model-len", str(cfg.max_seq_len)]
+    return cmd
+
+
+VLLM_LAUNCH_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+"""Environment of a launched ``vllm serve``: the RL routes are dev-mode routes."""
+
+
+def server_env(cfg: RemoteEngineConfig, index: int) -> dict[str, str] | None:
+    """The environment of launched server ``index``: vLLM's RL routes need dev mode, and
+    vLLM has no base-GPU flag, so its GPUs are the visible ones from ``index*tp_size``."""
+    if cfg.server != "vllm":
+        return None
+    env = {**os.environ, **VLLM_LAUNCH_ENV}
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    mine = gpus[index * cfg.tp_size : (index + 1) * cfg.tp_size]
+    if mine:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
+    return env
 
 
 def free_port() -> int:
@@ -208,6 +265,7 @@ def launch_servers(
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
+                env=server_env(cfg, i),
             )
         servers.append(Server(f"http://127.0.0.1:{port}", proc, log_path))
     return servers

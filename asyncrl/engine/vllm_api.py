@@ -1,0 +1,157 @@
+"""vLLM's server routes for RL, beyond the OpenAI ones, on the embedded engine's HTTP
+front (``asyncrl.engine.serve``): with them the front answers what the remote engine's
+vLLM client (``asyncrl.engine.vllm_client``) sends, so that client is tested for real on
+CPU. ``VllmApi(server).add_routes(app)`` adds them; ``asyncrl.engine.openai_api`` serves
+``/v1/completions`` (vLLM's ``return_token_ids``, and the ``token_versions`` extension),
+and its disconnect handling is vLLM's abort: a request whose connection closes is
+aborted.
+
+Routes, with vLLM 0.33's names and shapes (``vllm/entrypoints/serve/dev/rlhf/
+api_router.py``, ``.../dev/rpc/``, ``.../cache/``; vLLM serves them with
+``VLLM_SERVER_DEV_MODE=1``, this front always):
+
+- ``GET /version`` {``version``}: the vLLM release whose API this front speaks.
+- ``POST /pause?mode=abort|wait|keep&clear_cache=…`` {``status: "paused"``}: ``abort``
+  ends every request in flight with finish reason abort and its tokens so far; ``wait``
+  lets them finish first; ``keep`` freezes them. New requests wait until ``POST
+  /resume`` {``status: "resumed"``}. ``GET /is_paused`` {``is_paused``}.
+- ``POST /abort_requests`` {``request_ids``} ({} or [] aborts all) {``status:
+  "aborted"``, ``aborted``: how many were asked}. A request id is the response's ``id``.
+- ``POST /collective_rpc`` {``method: "reload_weights"``, ``kwargs: {"weights_path"}``}
+  {``results: [null]``}: load an HF directory (without ``weights_path``: the directory
+  served now). No other method is implemented.
+- ``POST /update_weight_version`` {``new_version``} {``success``, ``new_version``} and
+  ``GET /weight_info`` {``weight_version``}: the label of the weights in use (the
+  front's ``--weight-version`` at start, ``"default"`` unless given).
+- ``POST /reset_prefix_cache``: 200; the embedded engine keeps no prefix cache.
+
+Errors have vLLM's shape, ``{"error": {"message", "type", "param", "code"}}`` with the
+HTTP status. Not implemented: ``/sleep``, ``/wake_up``, the NCCL/IPC weight transfer
+(``/init_weight_transfer_engine``…: the embedded engine loads from disk only),
+``/weight_checker``, ``/pause/step`` (all 404).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from asyncrl.engine.openai_api import error_body, json_response
+from asyncrl.engine.serve_engine import EngineServer
+from asyncrl.engine.serve_protocol import BadRequest, decode_body
+from asyncrl.engine.vllm_client import TESTED_VLLM
+
+PAUSE_MODES = {"abort": "abort", "keep": "in_place", "wait": "in_place"}
+"""vLLM's pause modes, as the ``EngineServer``'s (``wait`` first lets requests finish)."""
+
+
+def _error(message: str, status: int = 400, param: str | None = None) -> web.Response:
+    return json_response(error_body(message, status, param), status)
+
+
+def _flag(value: str, name: str) -> bool:
+    """A boolean query parameter, read as FastAPI reads one."""
+    lowered = value.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise BadRequest(f"{name} must be a boolean, got {value!r}")
+
+
+class VllmApi:
+    """The handlers of vLLM's RL routes, on one ``EngineServer``."""
+
+    def __init__(self, server: EngineServer) -> None:
+        self.server = server
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_get("/version", self.version)
+        app.router.add_post("/pause", self.pause)
+        app.router.add_post("/resume", self.resume)
+        app.router.add_get("/is_paused", self.is_paused)
+        app.router.add_post("/abort_requests", self.abort_requests)
+        app.router.add_post("/collective_rpc", self.collective_rpc)
+        app.router.add_post("/update_weight_version", self.update_weight_version)
+        app.router.add_get("/weight_info", self.weight_info)
+        app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return json_response({"version": TESTED_VLLM})
+
+    async def pause(self, request: web.Request) -> web.Response:
+        mode = request.query.get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            why = f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}"
+            return _error(why, param="mode")
+        try:
+            _flag(request.query.get("clear_cache", "true"), "clear_cache")  # no cache here
+        except BadRequest as exc:
+            return _error(str(exc), param="clear_cache")
+        if mode == "wait":
+            while self.server.flights:  # new requests keep coming until the pause
+                await asyncio.sleep(0.01)
+        await self.server.pause(PAUSE_MODES[mode])
+        return json_response({"status": "paused"})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        await self.server.resume()
+        return json_response({"status": "resumed"})
+
+    async def is_paused(self, request: web.Request) -> web.Response:
+        return json_response({"is_paused": self.server.paused})
+
+    async def abort_requests(self, request: web.Request) -> web.Response:
+        try:
+            ids = (await self._body(request)).get("request_ids")
+        except BadRequest as exc:
+            return _error(str(exc))
+        if ids and not (isinstance(ids, list) and all(isinstance(i, str) for i in ids)):
+            return _error("request_ids must be a list of strings", param="request_ids")
+        if not ids:
+            ids = list(self.server.flights)
+            await self.server.abort_all("Aborted by /abort_requests")
+        else:
+            for rid in ids:  # an unknown or finished id is ignored, as in vLLM
+                await self.server.abort(rid, "Aborted by /abort_requests")
+        return json_response({"status": "aborted", "aborted": len(ids)})
+
+    async def collective_rpc(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._body(request)
+        except BadRequest as exc:
+            return _error(str(exc))
+        if body.get("method") != "reload_weights":
+            why = f"method {body.get('method')!r} is not implemented (only reload_weights)"
+            return _error(why, param="method")
+        kwargs = body.get("kwargs") or {}
+        path = kwargs.get("weights_path") if isinstance(kwargs, dict) else None
+        if path is not None and not isinstance(path, str):
+            return _error("kwargs.weights_path must be a string", param="kwargs")
+        try:
+            await self.server.update_weights(path or self.server.model_path, None)
+        except (ValueError, OSError, RuntimeError) as exc:
+            return _error(f"reload_weights failed: {exc}", 500)
+        return json_response({"results": [None]})
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        try:
+            label = (await self._body(request)).get("new_version")
+        except BadRequest as exc:
+            return _error(str(exc))
+        if not isinstance(label, str):
+            return _error(f"new_version must be a string, got {label!r:.80}", param="new_version")
+        self.server.labels[self.server.engine.version] = label
+        return json_response({"success": True, "new_version": label})
+
+    async def weight_info(self, request: web.Request) -> web.Response:
+        return json_response({"weight_version": self.server.weight_version})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    @staticmethod
+    async def _body(request: web.Request) -> dict:
+        raw = await request.read()
+        return decode_body(raw) if raw.strip() else {}

@@ -1,0 +1,370 @@
+"""The remote engine's vLLM client (``engine.remote.server=vllm``) against asyncrl's front
+(``python -m asyncrl.engine.serve``, which also speaks vLLM's API), side by side with the
+sglang client on the same front: what both clients must do alike is one test run with
+each (``api``). Then the client's own reading of vLLM's responses, its refusal of an
+unsupported vLLM version, its launch settings, and, where vLLM imports and a GPU is
+present (``gpu``), the same engine driving a launched ``vllm serve``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from aiohttp import web
+
+from asyncrl.engine import vllm_client
+from asyncrl.engine.base import Request, SamplingParams
+from asyncrl.engine.remote import RemoteEngine
+from asyncrl.engine.servers import RemoteEngineConfig, server_command, server_env
+from asyncrl.engine.vllm_client import (
+    TESTED_VLLM,
+    check_version,
+    completion_payload,
+    read_choice,
+)
+from asyncrl.metrics import read_metrics
+from asyncrl.models import ModelConfig, load_model
+from asyncrl.trainer.logprobs import token_logprobs
+
+from .sglang_client import free_port, wait_healthy
+from .test_remote_engine import ROOT, drain, perturbed_weights, post, server_stats
+
+VLLM = importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
+PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10], [11, 3], [12, 13, 14, 15]]
+
+
+@contextlib.contextmanager
+def launched_front(model_dir: str, log_dir: Path):
+    """asyncrl's front in a subprocess (as the smoke run attaches to it); yields its URL."""
+    port, log_path = free_port(), log_dir / "front.log"
+    cmd = [sys.executable, "-m", "asyncrl.engine.serve", "--model", model_dir]
+    cmd += ["--port", str(port), "--max-slots", "16", "--max-seq-len", "128", "--threads", "1"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, log_path, timeout=120)
+        yield url
+    finally:
+        proc.terminate()
+    assert proc.wait(timeout=30) == 0, log_path.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def front(tiny_model_dir, tmp_path_factory):
+    with launched_front(tiny_model_dir, tmp_path_factory.mktemp("front")) as url:
+        yield url
+
+
+def attached(url: str, model_dir: str, api: str, **remote) -> RemoteEngine:
+    """A remote engine attached to ``url``, driving it through ``api``'s client."""
+    server = "vllm" if api.startswith("vllm") else api
+    cfg = RemoteEngineConfig(urls=[url], server=server, threads=1, startup_timeout_s=60, **remote)
+    return RemoteEngine(model_dir, cfg)
+
+
+@pytest.fixture
+def unversioned(monkeypatch):
+    """Drop the front's ``token_versions``, as real vLLM answers: the client then stamps
+    tokens with its server's version itself."""
+    read = vllm_client.read_choice
+
+    def without_versions(choice: dict, version: int, eos_ids: set[int]):
+        return read({k: v for k, v in choice.items() if k != "token_versions"}, version, eos_ids)
+
+    monkeypatch.setattr(vllm_client, "read_choice", without_versions)
+
+
+def trainer_logprobs(model_dir: str, prompt: list[int], tokens: list[int], temperature: float):
+    """What the trainer recomputes for ``tokens`` after ``prompt`` (T = 1 when greedy)."""
+    model = load_model(ModelConfig(path=model_dir)).eval()
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(ids).logits
+    lp = token_logprobs(logits, ids, temperature if temperature > 0 else 1.0)
+    return lp[0, len(prompt) :].tolist()
+
+
+def wait_for_server_tokens(url: str, count: int, timeout_s: float = 30.0) -> None:
+    """Return once the front's engine generated ``count`` more tokens than at the call."""
+    start, deadline = server_stats(url)["engine/tokens"], time.time() + timeout_s
+    while server_stats(url)["engine/tokens"] - start < count:
+        assert time.time() < deadline, f"fewer than {count} tokens in {timeout_s:.0f} s"
+        time.sleep(0.01)
+
+
+# ---- both clients on the front ------------------------------------------------------------
+@pytest.mark.parametrize("api", ["sglang", "vllm", "vllm-unversioned"])
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_logprobs_equal_the_trainers_recomputation(
+    front, tiny_model_dir, api, temperature, request
+):
+    """Each token's behavior logprob is what the trainer recomputes for it, at the sampling
+    temperature; every token carries the server's version."""
+    if api == "vllm-unversioned":
+        request.getfixturevalue("unversioned")
+    engine = attached(front, tiny_model_dir, api)
+    try:
+        params = SamplingParams(max_new_tokens=10, temperature=temperature)
+        for i, prompt in enumerate(PROMPTS):
+            engine.submit(Request(f"r{i}", prompt, params))
+        tokens, finished = drain(engine, [f"r{i}" for i in range(len(PROMPTS))])
+        version = engine.status().version
+    finally:
+        engine.close()
+    for i, prompt in enumerate(PROMPTS):
+        got = tokens[f"r{i}"]
+        want = trainer_logprobs(tiny_model_dir, prompt, [t.token_id for t in got], temperature)
+        assert [t.logprob for t in got] == pytest.approx(want, abs=1e-4)
+        assert {t.version for t in got} == {version}
+        assert finished[f"r{i}"].num_tokens == len(got)
+        assert finished[f"r{i}"].reason in ("eos", "length")
+
+
+@pytest.mark.parametrize("api", ["sglang", "vllm"])
+def test_stop_tokens_and_strings_end_alike(front, tiny_model_dir, api):
+    engine = attached(front, tiny_model_dir, api)
+    try:
+        greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
+        engine.submit(Request("free", [5, 6, 7], greedy))
+        free = [t.token_id for t in drain(engine, ["free"])[0]["free"]]
+        assert len(free) >= 6
+        stop_id = free[3]
+        by_id = SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=[stop_id])
+        engine.submit(Request("id", [5, 6, 7], by_id))
+        tokens, finished = drain(engine, ["id"])
+        assert [t.token_id for t in tokens["id"]] == free[: free.index(stop_id) + 1]
+        assert finished["id"].reason == "stop" and finished["id"].matched is None
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("api", ["sglang", "vllm", "vllm-unversioned"])
+def test_a_request_interrupted_by_a_weight_update_resumes_keeping_versions(
+    front, tiny_model_dir, tmp_path, api, request
+):
+    """New weights arrive while a request decodes: the update ends it on the server, the
+    engine resends prompt + tokens, and the caller sees one request whose first tokens
+    carry the old version and the rest the new one. The front then gets its weights back."""
+    if api == "vllm-unversioned":
+        request.getfixturevalue("unversioned")
+    weights = perturbed_weights(tiny_model_dir, tmp_path / "new")
+    engine = attached(front, tiny_model_dir, api, max_inflight=4)
+    try:
+        v0 = engine.status().version
+        post(front, "/slow_down", {"forward_sleep_time": 0.03})
+        engine.submit(Request("a", [3, 4, 5, 6], SamplingParams(max_new_tokens=40, temperature=0)))
+        wait_for_server_tokens(front, 5)  # vLLM's client sees tokens only when a response ends
+        engine.stage_weights(str(weights), v0 + 1)
+        tokens, finished = drain(engine, ["a"])
+        post(front, "/slow_down", {"forward_sleep_time": None})
+        versions = [t.version for t in tokens["a"]]
+        before = versions.count(v0)
+        assert finished["a"].reason == "length" and finished["a"].num_tokens == 40
+        assert versions == [v0] * before + [v0 + 1] * (40 - before) and 5 <= before < 40
+        status = engine.status()
+        assert status.version == v0 + 1 and status.metrics["engine/resent"] == 1
+        engine.stage_weights(tiny_model_dir, v0 + 2, wait=True)  # the front's weights back
+    finally:
+        post(front, "/slow_down", {"forward_sleep_time": None})
+        engine.close()
+
+
+@pytest.mark.parametrize("api", ["sglang", "vllm"])
+def test_abort_ends_the_request_on_the_server(front, tiny_model_dir, api):
+    """An abort ends the request at once with its tokens so far, and the server stops
+    generating it: for vLLM by closing the connection, which the front (as vLLM) takes
+    as an abort."""
+    engine = attached(front, tiny_model_dir, api)
+    try:
+        aborted = server_stats(front)["engine/aborted"]
+        post(front, "/slow_down", {"forward_sleep_time": 0.05})
+        # Greedy on this prompt runs past 10 tokens without EOS; the abort lands long before.
+        params = SamplingParams(max_new_tokens=100, temperature=0.0)
+        engine.submit(Request("long", [3, 4, 5], params))
+        wait_for_server_tokens(front, 3)
+        engine.abort("long")
+        _, finished = drain(engine, ["long"])
+        assert finished["long"].reason == "abort" and finished["long"].num_tokens < 100
+        deadline = time.time() + 30
+        while server_stats(front)["engine/running"] and time.time() < deadline:
+            time.sleep(0.05)
+        assert server_stats(front)["engine/running"] == 0
+        assert server_stats(front)["engine/aborted"] == aborted + 1
+    finally:
+        post(front, "/slow_down", {"forward_sleep_time": None})
+        engine.close()
+
+
+def run_tiny_grpo(run_dir: Path, model_dir: str, url: str) -> subprocess.CompletedProcess:
+    """Four steps of the tiny GRPO demo, its generator attached to ``url`` as vLLM."""
+    cmd = [sys.executable, "launch/local.py", "experiments/tiny_grpo.py", f"run_dir={run_dir}"]
+    cmd += [f"model.path={model_dir}", "rl.max_steps=4", "eval.every_steps=0"]
+    cmd += ["task.train_size=200", "buffer.prompts_per_batch=2", "buffer.samples_per_prompt=4"]
+    cmd += ["buffer.dynamic_sampling=false", "buffer.max_staleness=1"]
+    cmd += ["transport.heartbeat_s=0.2", "engine.backend=remote", "engine.remote.server=vllm"]
+    cmd += [f"engine.remote.urls=[{url!r}]".replace("'", '"'), "engine.remote.max_inflight=8"]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
+
+
+@pytest.mark.slow
+def test_launcher_runs_tiny_grpo_with_a_generator_on_vllms_api(tiny_model_dir, tmp_path):
+    """The asynchronous loop with its generator attached to a fresh front (weights version
+    0) through vLLM's API: the front loads each published directory (``/collective_rpc``),
+    the generator's version follows, consumed tokens carry the new versions."""
+    run_dir = tmp_path / "run"
+    with launched_front(tiny_model_dir, tmp_path) as front:
+        proc = run_tiny_grpo(run_dir, tiny_model_dir, front)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 4
+    losses = [
+        r["train/loss"]
+        for r in read_metrics(run_dir)
+        if r["process"] == "trainer" and "train/loss" in r
+    ]
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
+    counters = json.loads((run_dir / "buffer_counters.json").read_text())
+    assert counters["buffer/generator_version_max"] >= 2  # the front loaded published weights
+    assert counters["buffer/newest_consumed_version"] >= 1
+    summary = json.loads((run_dir / "generator_g0_summary.json").read_text())
+    assert summary["weights_received"] >= 2 and summary["version"] >= 2
+
+
+# ---- the vLLM client's own -----------------------------------------------------------------
+def test_reading_vllm_choices():
+    """token_ids and logprobs line up; versions are the server's unless the front gives
+    them; finish reasons map to asyncrl's (EOS is a stop with no stop_reason)."""
+    choice = {
+        "token_ids": [7, 8, 2],
+        "logprobs": {"token_logprobs": [-0.5, -1.0, -0.25]},
+        "finish_reason": "stop",
+        "stop_reason": None,
+    }
+    tokens, end = read_choice(choice, 3, {2})
+    assert tokens == [(7, -0.5, 3), (8, -1.0, 3), (2, -0.25, 3)] and end.reason == "eos"
+    assert read_choice({**choice, "stop_reason": 8}, 3, {2})[1].reason == "stop"
+    assert read_choice({**choice, "stop_reason": 2}, 3, {2})[1].reason == "eos"
+    end = read_choice({**choice, "stop_reason": "\n\n"}, 3, {2})[1]
+    assert (end.reason, end.matched) == ("stop", "\n\n")
+    assert read_choice({**choice, "finish_reason": "length"}, 3, {2})[1].reason == "length"
+    assert read_choice({**choice, "finish_reason": "abort"}, 3, {2})[1].reason == "abort"
+    ours = {**choice, "token_versions": ["4", "4", "5"]}
+    assert [v for _, _, v in read_choice(ours, 3, {2})[0]] == [4, 4, 5]
+    with pytest.raises(ValueError, match="token_ids"):
+        read_choice({**choice, "logprobs": None}, 3, {2})
+    with pytest.raises(ValueError, match="finish_reason"):
+        read_choice({**choice, "finish_reason": "weird"}, 3, {2})
+    params = SamplingParams(temperature=0.7, top_k=0, seed=5, stop=["\n\n"], stop_token_ids=[4])
+    body = completion_payload("m", [1, 2], params, 6)
+    assert body == {
+        "model": "m",
+        "prompt": [1, 2],
+        "max_tokens": 6,
+        "temperature": 0.7,
+        "top_p": 1.0,
+        "top_k": -1,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "seed": 5,
+        "stop_token_ids": [4],
+        "stop": ["\n\n"],
+    }
+
+
+def test_supported_vllm_versions():
+    for ok in (TESTED_VLLM, "0.32.0", "0.33.2.dev7+g0123abc", "v0.33.1"):
+        check_version("http://x", ok)
+    for bad in ("0.31.9", "0.34.0", "1.0.0", "main", None):
+        with pytest.raises(RuntimeError, match=TESTED_VLLM):
+            check_version("http://x", bad)
+
+
+def test_a_server_of_an_unsupported_vllm_version_is_refused(tiny_model_dir):
+    """Attaching checks ``GET /version`` first; the error names both versions."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def version(request: web.Request) -> web.Response:
+        return web.json_response({"version": "0.10.1"})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/version", version)
+    runner = web.AppRunner(app)
+
+    async def start() -> int:
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        return runner.addresses[0][1]
+
+    port = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
+    try:
+        with pytest.raises(RuntimeError) as info:
+            attached(f"http://127.0.0.1:{port}", tiny_model_dir, "vllm")
+        assert "'0.10.1'" in str(info.value) and TESTED_VLLM in str(info.value)
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def test_vllm_launch_settings(tiny_model_dir, monkeypatch):
+    """A launched vLLM gets the logprobs the trainer recomputes, its RL routes (dev mode),
+    its share of GPU memory, and GPUs from ``index * tp_size``; NCCL updates are refused."""
+    cfg = RemoteEngineConfig(server="vllm", tp_size=2, mem_fraction_static=0.3, max_seq_len=64)
+    cmd = server_command(cfg, tiny_model_dir, 31000, 1, 0)
+    assert cmd[1:4] == ["-m", "vllm.entrypoints.cli.main", "serve"]
+    joined = " ".join(cmd)
+    assert "--logprobs-mode processed_logprobs" in joined and "--port 31000" in joined
+    assert "--gpu-memory-utilization 0.3" in joined and "--max-model-len 64" in joined
+    assert "--tensor-parallel-size 2" in joined
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    env = server_env(cfg, 1)
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["CUDA_VISIBLE_DEVICES"] == "6,7"
+    assert server_env(RemoteEngineConfig(server="sglang"), 0) is None
+    with pytest.raises(ValueError, match="weight_update=disk"):
+        RemoteEngineConfig(server="vllm", weight_update="nccl").check()
+
+
+# ---- real vLLM ----------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not VLLM, reason="needs vllm and a CUDA GPU")
+def test_the_engine_drives_a_launched_vllm_server(tiny_model_dir, tmp_path):
+    """``vllm serve`` launched by the engine: logprobs close to the trainer's recomputation
+    (vLLM computes in reduced precision), weights from disk as a new version."""
+    cfg = RemoteEngineConfig(
+        server="vllm",
+        mem_fraction_static=0.2,
+        max_seq_len=128,
+        extra_args=["--enforce-eager", "--dtype", "float32"],
+    )
+    engine = RemoteEngine(tiny_model_dir, cfg, log_dir=tmp_path / "logs")
+    try:
+        params = SamplingParams(max_new_tokens=10, temperature=0.7)
+        engine.submit(Request("a", PROMPTS[1], params))
+        tokens, _ = drain(engine, ["a"], timeout_s=300)
+        got = tokens["a"]
+        want = trainer_logprobs(tiny_model_dir, PROMPTS[1], [t.token_id for t in got], 0.7)
+        assert [t.logprob for t in got] == pytest.approx(want, abs=2e-2)
+        weights = perturbed_weights(tiny_model_dir, tmp_path / "v1")
+        engine.stage_weights(str(weights), 1, wait=True)
+        engine.submit(Request("b", PROMPTS[1], SamplingParams(max_new_tokens=6, temperature=0)))
+        tokens, _ = drain(engine, ["b"], timeout_s=300)
+        assert {t.version for t in tokens["b"]} == {1} and engine.status().version == 1
+    finally:
+        engine.close()

@@ -1,0 +1,331 @@
+"""Conformance of vLLM's HTTP API (0.33), the subset asyncrl's vLLM client drives, tested
+over HTTP only so the same tests run against any server that speaks it.
+
+Servers (one per module, in a subprocess on a free port): ``embedded``, asyncrl's front
+(``python -m asyncrl.engine.serve``, whose ``vllm_api`` routes add vLLM's RL endpoints),
+always; ``vllm`` (``vllm serve`` with ``--logprobs-mode processed_logprobs`` and
+``VLLM_SERVER_DEV_MODE=1``, as the remote engine launches it) where vllm imports and CUDA
+is available (``gpu``). Both serve the same tiny random Qwen2. The front's own guarantees
+say so: per-token versions (``token_versions``), its gauges (``/get_server_info``), and
+``/slow_down``, which makes "mid-request" reliable on a CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from asyncrl.engine.servers import VLLM_LAUNCH_ENV
+from asyncrl.engine.vllm_client import check_version
+from asyncrl.models import ModelConfig, load_model
+from asyncrl.trainer.logprobs import token_logprobs
+
+from .sglang_client import Api, Server, free_port, run, wait_healthy
+from .test_remote_engine import perturbed_weights
+
+VLLM = importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
+PROMPT = [3, 4, 5]  # greedy runs past 12 tokens without EOS on the tiny model
+
+
+def command(kind: str, model_dir: str, port: int) -> list[str]:
+    common = ["--host", "127.0.0.1", "--port", str(port)]
+    if kind == "embedded":
+        return [sys.executable, "-m", "asyncrl.engine.serve", "--model", model_dir, *common]
+    serve = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_dir, *common]
+    return serve + [
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--max-model-len",
+        "128",
+        "--gpu-memory-utilization",
+        "0.2",
+        "--enforce-eager",
+        "--dtype",
+        "float32",
+    ]
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        "embedded",
+        pytest.param(
+            "vllm",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not VLLM, reason="needs vllm and CUDA")],
+        ),
+    ],
+)
+def server(request, tiny_model_dir, tmp_path_factory):
+    kind, port = request.param, free_port()
+    cmd = command(kind, tiny_model_dir, port)
+    if kind == "embedded":
+        cmd += ["--max-slots", "16", "--max-seq-len", "128", "--threads", "1"]
+    log_path = tmp_path_factory.mktemp("server") / f"{kind}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **VLLM_LAUNCH_ENV},
+        )
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, proc, log_path, timeout=120 if kind == "embedded" else 600)
+    yield Server(kind, url, tiny_model_dir, 1e-4 if kind == "embedded" else 2e-2)
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+
+
+def completion(server: Server, max_tokens: int, temperature: float = 0.0, **extra) -> dict:
+    """A ``/v1/completions`` body as the vLLM client sends it."""
+    body = {"model": server.model_dir, "prompt": PROMPT, "max_tokens": max_tokens}
+    body.update(temperature=temperature, logprobs=0, return_token_ids=True)
+    return {**body, **extra}
+
+
+async def complete(api: Api, body: dict) -> dict:
+    status, out = await api.post("/v1/completions", body)
+    assert status == 200, out
+    return out["choices"][0]
+
+
+async def slow_down(api: Api, server: Server, seconds: float | None) -> None:
+    """The front's testing aid (sglang's); vLLM has none, and is fast anyway."""
+    if server.kind == "embedded":
+        await api.post("/slow_down", {"forward_sleep_time": seconds})
+
+
+async def generating(api: Api, server: Server, count: int = 3) -> None:
+    """Return once the server has generated ``count`` tokens more (a guess on vLLM)."""
+    if server.kind != "embedded":
+        await asyncio.sleep(0.05)
+        return
+
+    async def tokens() -> int:
+        info = (await api.call("GET", "/get_server_info"))[1]
+        return info["internal_states"][0]["engine/tokens"]
+
+    start, deadline = await tokens(), time.monotonic() + 30
+    while await tokens() - start < count:
+        assert time.monotonic() < deadline, "no tokens in 30 s"
+        await asyncio.sleep(0.01)
+
+
+# ---- tests ---------------------------------------------------------------------------------
+def test_version_models_and_health(server):
+    async def test(api: Api) -> None:
+        assert (await api.call("GET", "/health"))[0] == 200
+        status, version = await api.call("GET", "/version")
+        assert status == 200
+        check_version(server.url, version["version"])  # the client accepts it
+        status, models = await api.call("GET", "/v1/models")
+        assert status == 200 and models["data"][0]["id"] == server.model_dir
+        status, info = await api.call("GET", "/weight_info")
+        assert status == 200 and "weight_version" in info
+        assert (await api.call("GET", "/is_paused"))[1] == {"is_paused": False}
+
+    run(server, test)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_logprobs_equal_the_trainers_recomputation(server, temperature):
+    """``token_ids`` with one logprob each (``logprobs: 0``), equal to what the trainer
+    recomputes: ``log_softmax(logits / T)`` (T = 1 when greedy)."""
+    out = {}
+
+    async def test(api: Api) -> None:
+        out.update(await complete(api, completion(server, 10, temperature)))
+
+    run(server, test)
+    ids, logprobs = out["token_ids"], out["logprobs"]["token_logprobs"]
+    assert len(ids) == len(logprobs) and 1 <= len(ids) <= 10
+    model = load_model(ModelConfig(path=server.model_dir)).eval()
+    with torch.no_grad():
+        full = torch.tensor([PROMPT + ids])
+        want = token_logprobs(model(full).logits, full, temperature or 1.0)[0, len(PROMPT) :]
+    assert logprobs == pytest.approx(want.tolist(), abs=server.logprob_atol)
+
+
+def test_finish_reasons_of_length_and_stop_tokens(server):
+    async def test(api: Api) -> None:
+        free = await complete(api, completion(server, 12))
+        ids = free["token_ids"]
+        if free["finish_reason"] == "length":
+            assert len(ids) == 12 and free["stop_reason"] is None
+        else:  # EOS: kept in token_ids, no stop_reason
+            assert free["finish_reason"] == "stop" and free["stop_reason"] is None
+        stop = ids[2]
+        cut = ids.index(stop) + 1
+        out = await complete(api, completion(server, 12, stop_token_ids=[stop]))
+        assert out["token_ids"] == ids[:cut]
+        assert (out["finish_reason"], out["stop_reason"]) == ("stop", stop)
+
+    run(server, test)
+
+
+def test_pause_abort_returns_partial_results_and_holds_new_requests(server):
+    async def test(api: Api) -> None:
+        await slow_down(api, server, 0.03)
+        try:
+            task = asyncio.create_task(complete(api, completion(server, 100)))
+            await generating(api, server)
+            status, reply = await api.post("/pause?mode=abort")
+            assert status == 200 and reply == {"status": "paused"}
+            assert (await api.call("GET", "/is_paused"))[1] == {"is_paused": True}
+            out = await asyncio.wait_for(task, 30)
+            if server.kind == "embedded":  # on vLLM the request may have finished first
+                assert out["finish_reason"] == "abort" and 3 <= len(out["token_ids"]) < 100
+            assert len(out["logprobs"]["token_logprobs"]) == len(out["token_ids"])
+            waiting = asyncio.create_task(complete(api, completion(server, 4)))
+            await asyncio.sleep(0.5)
+            assert not waiting.done()
+        finally:
+            status, reply = await api.post("/resume")
+            await slow_down(api, server, None)
+        assert status == 200 and reply == {"status": "resumed"}
+        assert len((await asyncio.wait_for(waiting, 30))["token_ids"]) == 4
+
+    run(server, test)
+
+
+def test_pause_keep_freezes_requests_until_resume(server):
+    async def test(api: Api) -> None:
+        await slow_down(api, server, 0.02)
+        try:
+            task = asyncio.create_task(complete(api, completion(server, 40)))
+            await generating(api, server)
+            assert (await api.post("/pause?mode=keep"))[0] == 200
+            await asyncio.sleep(0.5)
+            if server.kind == "embedded":
+                assert not task.done()
+        finally:
+            assert (await api.post("/resume"))[0] == 200
+            await slow_down(api, server, None)
+        out = await asyncio.wait_for(task, 30)
+        assert out["finish_reason"] in ("length", "stop") and out["finish_reason"] != "abort"
+
+    run(server, test)
+
+
+def test_a_closed_connection_aborts_the_request(server):
+    if server.kind != "embedded":
+        pytest.skip("reads the front's gauges from /get_server_info")
+
+    async def stats(api: Api) -> dict:
+        return (await api.call("GET", "/get_server_info"))[1]["internal_states"][0]
+
+    async def test(api: Api) -> None:
+        await slow_down(api, server, 0.05)
+        try:
+            aborted = (await stats(api))["engine/aborted"]
+            task = asyncio.create_task(complete(api, completion(server, 100)))
+            await generating(api, server)
+            task.cancel()  # the client goes away: its connection closes
+            await asyncio.gather(task, return_exceptions=True)
+            deadline = time.monotonic() + 30
+            while (await stats(api))["engine/running"] and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            after = await stats(api)
+            assert after["engine/running"] == 0 and after["engine/aborted"] == aborted + 1
+        finally:
+            await slow_down(api, server, None)
+
+    run(server, test)
+
+
+def test_abort_requests_without_ids_aborts_everything(server):
+    async def test(api: Api) -> None:
+        await slow_down(api, server, 0.03)
+        try:
+            task = asyncio.create_task(api.post("/v1/completions", completion(server, 100)))
+            await generating(api, server)
+            status, reply = await api.post("/abort_requests", {})
+            assert status == 200 and reply["status"] == "aborted"
+            status, out = await asyncio.wait_for(task, 30)
+        finally:
+            await slow_down(api, server, None)
+        if server.kind == "embedded":
+            assert status == 200 and out["choices"][0]["finish_reason"] == "abort"
+
+    run(server, test)
+
+
+def test_weights_from_disk_with_their_version_label(server, tmp_path):
+    """``/collective_rpc`` reload_weights loads a directory; ``/update_weight_version``
+    labels it; completions then follow the new weights (the front tags each token)."""
+    weights = perturbed_weights(server.model_dir, tmp_path / "new")
+    model = load_model(ModelConfig(path=str(weights))).eval()
+
+    async def test(api: Api) -> None:
+        rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(weights)}}
+        try:
+            assert (await api.post("/collective_rpc", rpc))[0] == 200
+            status, reply = await api.post("/update_weight_version", {"new_version": "7"})
+            assert status == 200 and reply["new_version"] == "7"
+            assert (await api.call("GET", "/weight_info"))[1] == {"weight_version": "7"}
+            out = await complete(api, completion(server, 6))
+        finally:
+            rpc["kwargs"]["weights_path"] = server.model_dir
+            assert (await api.post("/collective_rpc", rpc))[0] == 200
+            await api.post("/update_weight_version", {"new_version": "8"})
+        ids = out["token_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([PROMPT + ids])).logits[0, len(PROMPT) - 1 : -1]
+        top2 = logits.topk(2, -1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 1e-3  # near-ties may go either way
+        assert (logits.argmax(-1) == torch.tensor(ids))[clear].all()
+        if server.kind == "embedded":
+            assert out["token_versions"] == ["7"] * len(ids)
+
+    run(server, test)
+
+
+@pytest.mark.parametrize(
+    "name, change",
+    [
+        ("prompt-missing", {"prompt": None}),
+        ("token-out-of-vocab", {"prompt": [10**7]}),
+        ("temperature", {"temperature": -1}),
+        ("top-p", {"top_p": 0}),
+        ("max-tokens-type", {"max_tokens": "many"}),
+        ("too-long", {"max_tokens": 500}),
+        ("not-json", b"{oops"),
+    ],
+)
+def test_a_malformed_request_gets_vllms_error_shape(server, name, change):
+    """A 400 whose body is ``{"error": {"message", "type", "param", "code"}}``; the
+    server keeps serving."""
+
+    async def test(api: Api) -> None:
+        if isinstance(change, bytes):
+            status, err = await api.call("POST", "/v1/completions", raw=change)
+        else:
+            body = {k: v for k, v in {**completion(server, 4), **change}.items() if v is not None}
+            status, err = await api.post("/v1/completions", body)
+        assert status == 400, err
+        assert set(err) == {"error"} and isinstance(err["error"]["message"], str)
+        assert err["error"]["type"] == "BadRequestError" and err["error"]["code"] == 400
+        assert len((await complete(api, completion(server, 2)))["token_ids"]) == 2
+
+    run(server, test)
+
+
+def test_a_bad_pause_mode_gets_vllms_error_shape(server):
+    async def test(api: Api) -> None:
+        status, err = await api.post("/pause?mode=sideways")
+        assert status == 400 and err["error"]["code"] == 400, err
+        assert (await api.call("GET", "/is_paused"))[1] == {"is_paused": False}
+
+    run(server, test)
