@@ -11,7 +11,7 @@ transport, a placement, an engine) is one class that has these methods.
   ``asyncrl.trainer.publish``, and by ``ColocatedRollout``.
 - ``Engine``: what a generator (and the colocated placement) asks of an inference engine.
   Implemented by ``asyncrl.engine.embedded.EmbeddedEngine`` (asyncrl's torch engine, in
-  the process) and ``asyncrl.engine.remote.RemoteEngine`` (sglang servers over HTTP).
+  the process) and ``asyncrl.engine.remote.RemoteEngine`` (sglang or vLLM servers over HTTP).
 """
 
 from __future__ import annotations

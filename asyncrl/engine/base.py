@@ -6,8 +6,8 @@ the ``GeneratedToken``s it returns, aborts requests whose lease was withdrawn, h
 ``Weights`` (tensors, or a directory on disk) to ``stage_weights`` as the trainer
 publishes them, and reads an ``EngineStatus`` to decide how many leases to ask for. Two
 implementations: the embedded torch engine (``asyncrl.engine.embedded``) and the remote
-engine (``asyncrl.engine.remote``), which drives sglang servers, or asyncrl's
-sglang-compatible front for the embedded engine, over HTTP. Every generated token carries
+engine (``asyncrl.engine.remote``), which drives sglang or vLLM servers, or asyncrl's
+front for the embedded engine (both APIs), over HTTP. Every generated token carries
 its behavior logprob and the policy version that produced it (DESIGN §4).
 """
 
