@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,6 +22,7 @@ import zmq
 from asyncrl.buffer.client import BufferClient
 from asyncrl.buffer.config import BufferConfig
 from asyncrl.config import save_json
+from asyncrl.engine.base import StepOutput
 from asyncrl.engine.config import EngineConfig
 from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from asyncrl.generator.worker import GeneratorWorker
@@ -38,18 +40,28 @@ STEPS, PROMPTS, SAMPLES = 5, 2, 3
 
 
 class RecordingEngine:
-    """The embedded engine, with every request's context and every sampled token kept."""
+    """The embedded engine, with every request's context and every sampled token kept.
+    Once ``freeze_at_next_turn`` is set, the first later turn of an episode freezes it:
+    no request decodes again, so its episodes stay mid-way, at least one of them after
+    a whole turn, until its generator is stopped."""
 
     def __init__(self, engine: EmbeddedEngine) -> None:
         self.engine = engine
         self.contexts: dict[str, list[list[int]]] = defaultdict(list)
         self.sampled: dict[str, list[tuple[int, float, int]]] = defaultdict(list)
+        self.freeze_at_next_turn = threading.Event()
+        self.frozen = threading.Event()
 
     def submit(self, request):
         self.contexts[request.request_id].append(list(request.prompt_ids))
+        if self.freeze_at_next_turn.is_set() and len(self.contexts[request.request_id]) > 1:
+            self.frozen.set()
         return self.engine.submit(request)
 
     def step(self):
+        if self.frozen.is_set():
+            time.sleep(0.005)
+            return StepOutput([], [], self.engine.version)
         out = self.engine.step()
         for t in out.tokens:
             self.sampled[t.request_id].append((t.token_id, t.logprob, t.version))
@@ -105,7 +117,13 @@ def _run(tmp_path: Path, cfg: RolloutConfig, engine: RecordingEngine, successor=
         for step in range(steps):
             samples += client.request_batch(step, world_size=1, timeout_s=120).samples
             if step == 0 and successor is not None:
-                _stop(workers.pop())  # dies holding episodes mid-way
+                # It dies holding episodes mid-way, one at least after a whole turn (sent
+                # to the buffer before the next turn is submitted; the keep-alive chunks
+                # that follow show it went out).
+                engine.freeze_at_next_turn.set()
+                assert engine.frozen.wait(timeout=60), "no episode reached a second turn"
+                time.sleep(2 * cfg.transport.heartbeat_s)
+                _stop(workers.pop())
                 workers.append(_start_worker(cfg, "g1", successor, leases))
             # New weights each step (slightly moved, so their logprobs differ).
             state = {k: v + 1e-3 * torch.randn_like(v) for k, v in state.items()}
