@@ -45,8 +45,11 @@ class SamplingConfig:
     default), cut right before it: vLLM's ``include_stop_str_in_output``, sglang's
     ``no_stop_trim``; likewise a final stop token's text. Token ids are never cut."""
 
-    def spec(self) -> SamplingSpec:
+    def spec(self, seed: int | None = None) -> SamplingSpec:
+        """The buffer's sampling for every lease; ``seed``, the run's, from which the
+        buffer derives each sample's own (None: unseeded draws)."""
         return SamplingSpec(
+            seed=seed,
             max_new_tokens=self.max_new_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
@@ -63,7 +66,8 @@ class RolloutConfig:
     run_id: str = "rollout"
     """Every message carries it; messages of another run are refused."""
     seed: int = 0
-    """Seed of the prompt order."""
+    """Seed of the prompt order and of every sample's draws (each sample's seed is derived
+    from it, its group and its index; ``asyncrl.seeds``)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy's HF directory (generators load it; the buffer reads its tokenizer)."""
     task: TaskConfig = field(default_factory=TaskConfig)

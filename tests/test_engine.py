@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -315,18 +316,40 @@ def test_sampling_follows_the_scaled_truncated_distribution():
     row = torch.tensor([2.0, 1.0, 0.0, -1.0, 3.0])
     logits = row.repeat(20_000, 1)
 
-    def freqs(params: SamplingParams) -> torch.Tensor:
-        tokens, _ = sample(logits, [params] * len(logits), [None] * len(logits))
+    def freqs(seeded: bool, **kw) -> torch.Tensor:
+        # Seeded rows (each its own seed) invert the CDF; unseeded rows take Gumbel-max.
+        params = [SamplingParams(seed=i if seeded else None, **kw) for i in range(len(logits))]
+        tokens, _ = sample(logits, params, [7] * len(logits))
         return torch.bincount(torch.tensor(tokens), minlength=5).float() / len(logits)
 
-    for temperature in (1.0, 0.5):
-        expected = (row / temperature).softmax(-1)
-        assert torch.allclose(freqs(SamplingParams(temperature=temperature)), expected, atol=0.015)
     top2 = torch.zeros(5)
     top2[[0, 4]] = row[[0, 4]].softmax(-1)
-    assert torch.allclose(freqs(SamplingParams(top_k=2)), top2, atol=0.015)
-    # top_p = 0.8: tokens 4 (0.64) and 0 (0.23) reach it; the rest are cut.
-    assert torch.allclose(freqs(SamplingParams(top_p=0.8)), top2, atol=0.015)
+    for seeded in (False, True):
+        for temperature in (1.0, 0.5):
+            expected = (row / temperature).softmax(-1)
+            assert torch.allclose(freqs(seeded, temperature=temperature), expected, atol=0.015)
+        assert torch.allclose(freqs(seeded, top_k=2), top2, atol=0.015)
+        # top_p = 0.8: tokens 4 (0.64) and 0 (0.23) reach it; the rest are cut.
+        assert torch.allclose(freqs(seeded, top_p=0.8), top2, atol=0.015)
+
+
+def test_a_seeded_sample_resumed_from_its_prefix_draws_what_it_would_have(tiny_model_dir):
+    """A seeded request's draw at position t depends on (seed, t) only: resumed as prompt
+    plus its first tokens (a lease moved to another generator), in another engine, it
+    goes on with the tokens it would have generated."""
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=2026)
+
+    def generate(prompt: list[int], max_new_tokens: int) -> list[int]:
+        engine = EmbeddedEngine(tiny_model_dir)
+        engine.submit(Request("r", prompt, replace(params, max_new_tokens=max_new_tokens)))
+        tokens, _ = run_all(engine)
+        engine.close()
+        return [t.token_id for t in tokens["r"]]
+
+    whole = generate([4, 5, 6], 12)
+    assert len(whole) == 12
+    assert generate([4, 5, 6, *whole[:5]], 7) == whole[5:]
+    assert generate([4, 5, 6], 12) == whole
 
 
 def test_shared_prefill_equals_prefilling_each(tiny_model_dir):

@@ -34,6 +34,7 @@ from asyncrl.engine.vllm_client import (
 )
 from asyncrl.metrics import read_metrics
 from asyncrl.models import ModelConfig, load_model
+from asyncrl.seeds import derive_seed
 from asyncrl.trainer.logprobs import token_logprobs
 
 from .sglang_client import free_port, wait_healthy
@@ -275,7 +276,7 @@ def test_reading_vllm_choices():
         "top_k": -1,
         "logprobs": 0,
         "return_token_ids": True,
-        "seed": 5,
+        "seed": derive_seed(5, 2),  # keyed by the attempt's start
         "stop_token_ids": [4],
         "stop": ["\n\n"],
     }

@@ -28,6 +28,7 @@ import msgspec
 from asyncrl.buffer.config import BufferConfig
 from asyncrl.buffer.groups import GroupAssembler
 from asyncrl.buffer.state import BufferState, Slot
+from asyncrl.seeds import derive_seed
 from asyncrl.wire import Chunk, Lease, SamplingSpec
 
 HOLDER_SILENT, GAP, NO_PROGRESS = "holder_silent", "gap", "no_progress"
@@ -234,12 +235,20 @@ class LeaseTable:
             group_id=group_id,
             sample_index=index,
             prompt_ids=group.prompt_ids,
-            sampling=self.sampling,
+            sampling=self._sampling(group_id, index),
             prefix_ids=list(slot.token_ids),
             prefix_logprobs=list(slot.logprobs),
             prefix_versions=list(slot.versions),
             prefix_mask=list(slot.loss_mask) if continued else [],
         )
+
+    def _sampling(self, group_id: int, index: int) -> SamplingSpec:
+        """The lease's sampling, seeded for its sample (the run's seed, its group and its
+        index): a sample re-issued elsewhere draws with the same seed."""
+        if self.sampling.seed is None:
+            return self.sampling
+        seed = derive_seed(self.sampling.seed, group_id, index)
+        return msgspec.structs.replace(self.sampling, seed=seed)
 
     def _finish(self, group_id: int, slot: Slot, reason: str | None) -> None:
         del self.active[slot.lease_id]

@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     cfg: RolloutConfig = load_json(args.config)
     prompts = TaskPrompts(build_task(cfg.task), cfg.model.path, cfg.seed)
-    buffer = RolloutBuffer(cfg.buffer, cfg.run_id, prompts, cfg.sampling.spec())
+    buffer = RolloutBuffer(cfg.buffer, cfg.run_id, prompts, cfg.sampling.spec(cfg.seed))
     server = BufferServer(cfg, buffer, Scoring(cfg))
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())

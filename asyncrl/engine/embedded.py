@@ -74,7 +74,6 @@ class _Sequence:
     slot: int
     tokens: list[int]
     """Prompt then generated tokens; K/V of all but the last are in the cache."""
-    generator: torch.Generator | None
     generated: int = 0
 
 
@@ -257,10 +256,7 @@ class EmbeddedEngine:
             self.waiting.popleft()
             budget -= cost
             seen.add(key)
-            generator = None
-            if req.params.seed is not None:
-                generator = torch.Generator(device=self.device).manual_seed(req.params.seed)
-            seq = _Sequence(req, len(self.slots), list(req.prompt_ids), generator)
+            seq = _Sequence(req, len(self.slots), list(req.prompt_ids))
             self.slots.append(seq)
             self.running[req.request_id] = seq
             admitted.append(seq)
@@ -319,7 +315,7 @@ class EmbeddedEngine:
         self, seqs: list[_Sequence], logits: torch.Tensor, tokens: list, finished: list
     ) -> None:
         ids, logprobs = sample(
-            logits, [s.request.params for s in seqs], [s.generator for s in seqs]
+            logits, [s.request.params for s in seqs], [len(s.tokens) for s in seqs]
         )
         for seq, token, logprob in zip(seqs, ids, logprobs):
             seq.tokens.append(token)

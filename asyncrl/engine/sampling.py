@@ -1,10 +1,13 @@
 """Token sampling for the embedded engine: greedy, temperature, top-k, top-p, per-request
 seeds, and the behavior logprob of each sampled token.
 
-The batch is sampled in one vectorized pass with the Gumbel-max trick (argmax of
-logits plus Gumbel noise is an exact categorical sample); only the uniform noise is drawn
-row by row, from each request's own generator, so a request's samples do not depend on
-which other requests share its batch.
+A seeded request's token at sequence position t is drawn by inverting its distribution's
+CDF at one uniform number that is a pure function of (seed, t) (``uniform_at``, a
+counter-based hash): no generator state, so a request's tokens depend on neither which
+other requests share its batch nor the engine it runs on, and a sample resumed on
+another generator (its prompt plus its earlier tokens) draws what it would have drawn.
+Unseeded rows take the Gumbel-max trick over one batch draw (argmax of logits plus
+Gumbel noise is an exact categorical sample).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from asyncrl.engine.base import SamplingParams
+from asyncrl.seeds import derive_seed
 
 
 def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -29,11 +33,11 @@ def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) ->
 
 
 def sample(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
+    logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
 ) -> tuple[list[int], list[float]]:
     """Sample one token per row of ``logits`` ``[B, V]``; returns tokens and logprobs.
+    ``positions[b]``: where row b's token goes in its sequence (prompt included), the
+    counter of a seeded row's draw.
 
     The logprob is ``log_softmax(logits / T)[token]`` (T = 1 for greedy rows) before any
     truncation, matching what the trainer recomputes.
@@ -50,18 +54,32 @@ def sample(
         top_p = torch.tensor([p.top_p for p in params], device=device)
         if bool((top_k > 0).any() or (top_p < 1.0).any()):
             scaled = _truncate(scaled, top_k, top_p)
-        if any(g is not None for g in generators):
-            uniform = torch.stack(
-                [
-                    torch.rand(logits.shape[-1], generator=g, device=device)
-                    if g is not None
-                    else torch.rand(logits.shape[-1], device=device)
-                    for g in generators
-                ]
-            )
-        else:  # no seeded row: one draw for the batch (a row per request costs a call each)
-            uniform = torch.rand(logits.shape, device=device)
+        uniform = torch.rand(logits.shape, device=device)
         gumbel = -torch.log(-torch.log(uniform.clamp_(1e-20, 1.0 - 1e-7)))
-        tokens = torch.where(greedy, tokens, (scaled + gumbel).argmax(-1))
+        drawn = (scaled + gumbel).argmax(-1)
+        seeded = [b for b, p in enumerate(params) if p.seed is not None and p.temperature > 0]
+        if seeded:
+            rows = torch.tensor(seeded, device=device)
+            seeds = [params[b].seed for b in seeded]
+            u = uniform_at(seeds, [positions[b] for b in seeded]).to(device)
+            drawn[rows] = _invert_cdf(scaled[rows], u)
+        tokens = torch.where(greedy, tokens, drawn)
     chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
     return tokens.tolist(), chosen.tolist()
+
+
+def _invert_cdf(scaled: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The token at quantile ``u [B]`` of softmax(``scaled [B, V]``): the first whose
+    cumulative probability exceeds it. A token of probability 0 (truncated) is never the
+    first to exceed it, and the float64 sum keeps the tail's tokens reachable."""
+    cdf = torch.softmax(scaled.double(), -1).cumsum(-1)
+    index = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    return index.clamp_(max=scaled.shape[-1] - 1)
+
+
+def uniform_at(seeds: list[int], positions: list[int]) -> torch.Tensor:
+    """``[B]`` float64 numbers in [0, 1), entry b a pure function of (seeds[b], positions[b])."""
+    return torch.tensor(
+        [(derive_seed(s, t) >> 10) * 2.0**-53 for s, t in zip(seeds, positions)],
+        dtype=torch.float64,
+    )

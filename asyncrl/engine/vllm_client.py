@@ -13,8 +13,8 @@ the weight-transfer calls), the dev RPC router (``/collective_rpc``), and the do
 server runs with ``VLLM_SERVER_DEV_MODE=1``; launched servers get it.
 
 - **Requests.** One non-streamed ``POST /v1/completions`` per attempt: ``prompt`` as
-  token ids, ``max_tokens``, ``temperature``, ``top_p``, ``top_k`` (-1: all), ``seed``,
-  ``stop``, ``stop_token_ids``, ``logprobs: 0`` (the chosen token's only) and
+  token ids, ``max_tokens``, ``temperature``, ``top_p``, ``top_k`` (-1: all), ``seed``
+  (the sample's, keyed by the attempt's prompt length), ``stop``, ``stop_token_ids``, ``logprobs: 0`` (the chosen token's only) and
   ``return_token_ids``. The choice's ``token_ids[i]`` and ``logprobs.token_logprobs[i]``
   are one token; ``finish_reason`` is ``stop`` (EOS when ``stop_reason`` is null or an
   EOS id, else the stop token id or string), ``length`` or ``abort``.
@@ -60,6 +60,7 @@ from asyncrl.engine.base import SamplingParams
 from asyncrl.engine.remote_weights import ServerState, get_json, post_json
 from asyncrl.engine.server_api import Attempt, AttemptEnd, NewTokens
 from asyncrl.engine.sglang_api import as_version
+from asyncrl.seeds import derive_seed
 
 log = logging.getLogger("asyncrl.remote")
 
@@ -103,8 +104,8 @@ def completion_payload(
         "logprobs": 0,
         "return_token_ids": True,
     }
-    if params.seed is not None:
-        body["seed"] = params.seed
+    if params.seed is not None:  # keyed by where it starts: a resumed attempt draws afresh
+        body["seed"] = derive_seed(params.seed, len(input_ids))
     if params.stop_token_ids:
         body["stop_token_ids"] = list(params.stop_token_ids)
     if params.stop:

@@ -39,9 +39,6 @@ MAX_TURN_RETRIES = 3
 """A turn the engine aborted (a remote server that failed) is sampled again, from the same
 context, this many times before its episode fails."""
 
-SEED_STRIDE = 1_000_003
-"""Turn k of a seeded lease samples with seed + k·stride: turns draw distinct randomness."""
-
 
 class EpisodeDriver:
     """Runs the episodes of the leases given to ``start`` on ``engine``, registering each
@@ -177,9 +174,8 @@ class EpisodeDriver:
         return episode
 
     def _next_turn(self, episode: Episode, p: PendingLease) -> None:
-        s = p.lease.sampling
-        seed = None if s.seed is None else s.seed + SEED_STRIDE * episode.turns
-        params = sampling_params(s, episode.budget(), seed)
+        s = p.lease.sampling  # one seed for every turn: a draw is keyed by its position
+        params = sampling_params(s, episode.budget(), s.seed)
         lease_id = p.lease.lease_id
         try:
             self.engine.submit(Request(lease_id, episode.context(), params))

@@ -99,7 +99,9 @@ class ColocatedRollout:
         self.engine: Engine = EmbeddedEngine(cfg.model.path, engine_cfg)
         prompts = TaskPrompts(build_task(cfg.task), cfg.model.path, cfg.seed)
         self.scoring = Scoring(rollout)
-        self.buffer = RolloutBuffer(rollout.buffer, cfg.run_id, prompts, cfg.sampling.spec())
+        self.buffer = RolloutBuffer(
+            rollout.buffer, cfg.run_id, prompts, cfg.sampling.spec(cfg.seed)
+        )
         self.pending: dict[str, PendingLease] = {}
         self.metrics = MetricsLogger(
             cfg.run_dir, WORKER_ID, replace(cfg.metrics, progress_bar=False)
