@@ -21,6 +21,11 @@ Reads what the processes leave in RUN_DIR: ``metrics.jsonl`` (trainer steps with
                                          length percentile (``length/p50`` …)
     length_max, length_mean              the longest completion of the run; mean length
     truncated_frac                       samples that hit max_new_tokens / samples trained
+    mismatch_abs_logprob_diff_           train–inference mismatch on the tokens sampled with
+    median_of_means, mismatch_kl_median  the proximal version (``mismatch/*``): the median
+                                         step's mean |behavior − proximal| logprob, and KL
+    mismatch_abs_logprob_diff_max,       the largest step max of it; the tokens measured
+    mismatch_tokens
     slot_occupancy                       mean share of the engines' slots in use, weighted by
                                          generator wall time (idle time counts as none in use)
     tail_s_total, tail_s_mean            per weights version, seconds from the finish by which
@@ -167,6 +172,26 @@ def length_figures(steps: list[dict]) -> dict[str, float | None]:
     }
 
 
+def mismatch_figures(steps: list[dict]) -> dict[str, float | None]:
+    """The train–inference mismatch over the trainer's steps (``mismatch/*`` per step):
+    the median step's mean |behavior − proximal| and KL, the largest per-step max, and the
+    tokens measured. Steps without such tokens (no ``…_mean``) are left out."""
+    measured = [r for r in steps if "mismatch/abs_logprob_diff_mean" in r]
+    tokens = [r["mismatch/tokens"] for r in steps if "mismatch/tokens" in r]
+
+    def median_of(key: str) -> float | None:
+        return statistics.median(r[key] for r in measured) if measured else None
+
+    return {
+        "mismatch_abs_logprob_diff_median_of_means": median_of("mismatch/abs_logprob_diff_mean"),
+        "mismatch_abs_logprob_diff_max": max(
+            (r["mismatch/abs_logprob_diff_max"] for r in measured), default=None
+        ),
+        "mismatch_kl_median": median_of("mismatch/kl"),
+        "mismatch_tokens": sum(tokens) if tokens else None,
+    }
+
+
 def buffer_figures(counters: dict[str, float]) -> dict[str, Any]:
     """From the buffer's counters: the mean completion length of what was trained on and
     of everything that finished (the length bias of staleness handling), what was dropped
@@ -248,6 +273,7 @@ def report(run_dir: str | Path, minutes: list[float]) -> dict[str, Any]:
         ),
         "final_eval_accuracy": summary.get("final_eval_accuracy"),
         **length_figures(steps),
+        **mismatch_figures(steps),
         **buffer_figures(counters),
         "generators": gens,
     }
@@ -255,8 +281,10 @@ def report(run_dir: str | Path, minutes: list[float]) -> dict[str, Any]:
 
 
 def _rounded(value: Any) -> Any:
+    """Floats to 4 decimals; below 1e-3, to 3 significant digits (a mismatch of 1e-6
+    would read 0)."""
     if isinstance(value, float):
-        return round(value, 4)
+        return round(value, 4) if abs(value) >= 1e-3 else float(f"{value:.3g}")
     if isinstance(value, dict):
         return {k: _rounded(v) for k, v in value.items()}
     return value

@@ -48,7 +48,31 @@ class PPOLossConfig:
     """Decoupled PPO (AReaL): ratio against the recomputed proximal policy, corrected by
     the behavior importance weight. False: standard PPO with the behavior policy as old."""
     iw_cap: float = 5.0
-    """Truncation of the behavior importance weight exp(proximal − behavior)."""
+    """C: the bound of the behavior importance weight exp(proximal − behavior). ``truncate``
+    and ``sequence_mask`` clip the weight at C; ``token_mask`` drops the tokens above it."""
+    is_correction: Literal["truncate", "token_mask", "sequence_mask", "icepop"] = "truncate"
+    """How the loss treats tokens whose behavior importance ratio exp(proximal − behavior)
+    is far from 1: the generator sampled them with other probabilities than the trainer's
+    (an engine's numerics, or stale weights). ``importance_weights`` has the formulas.
+    ``truncate`` (TIS): weight min(ratio, C), every token kept; biased toward the behavior
+    policy where clipped. ``token_mask`` (token-level masked IS): drop tokens whose ratio
+    exceeds C, keep the others' unclipped ratio; unbiased on the kept tokens, for
+    mismatch concentrated on a few tokens. ``sequence_mask`` (sequence-level masked IS):
+    drop whole samples whose geometric-mean ratio leaves [``sequence_low``,
+    ``sequence_high``], for a sample that drifted as a whole (a broken engine, stale
+    weights). ``icepop`` (IcePop): drop tokens whose ratio leaves [``icepop_low``,
+    ``icepop_high``], the two-sided band, keep the others' ratio. A dropped token adds
+    nothing to the loss and still counts in the token mean it is divided by
+    (``train/is_masked_fraction`` logs the share)."""
+    sequence_low: float = 0.9
+    """``sequence_mask``: the lowest geometric-mean ratio a sample may have and train. The
+    band is narrow: a mean over a sample's tokens moves far less than one token does."""
+    sequence_high: float = 1.1
+    """``sequence_mask``: the highest geometric-mean ratio a sample may have and train."""
+    icepop_low: float = 0.5
+    """``icepop``: α, the lowest ratio a token may have and train (IcePop's 0.5)."""
+    icepop_high: float = 2.0
+    """``icepop``: β, the highest ratio a token may have and train (IcePop's 2)."""
     kl_coef: float = 0.0
     """β of the KL penalty to the reference policy (the starting weights, frozen); 0: off."""
     kl_in_reward: bool = False
@@ -64,6 +88,23 @@ class PPOLossConfig:
     """α of an NLL term on the tokens of positive-advantage samples (α · −log π), as RPO
     adds to DPO: it keeps the likelihood of good samples rising while negative
     advantages push others down. 0 is off (plain PPO)."""
+
+    def check(self) -> None:
+        """Raise ValueError, naming the key, for an unknown correction or a bad band."""
+        options = ("truncate", "token_mask", "sequence_mask", "icepop")
+        if self.is_correction not in options:
+            raise ValueError(
+                f"rl.loss.is_correction {self.is_correction!r} is not one of {options}"
+            )
+        if not self.iw_cap > 0:
+            raise ValueError(f"rl.loss.iw_cap must be positive, got {self.iw_cap}")
+        for name in ("sequence", "icepop"):
+            low, high = getattr(self, f"{name}_low"), getattr(self, f"{name}_high")
+            if not 0 < low <= 1 <= high or low == high:
+                raise ValueError(
+                    f"rl.loss.{name}_low and rl.loss.{name}_high must make a band "
+                    f"0 < low < high around 1 (a ratio of 1 is on-policy), got [{low}, {high}]"
+                )
 
 
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -100,26 +141,27 @@ def ppo_loss(
     cfg: PPOLossConfig,
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    sequence_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The decoupled PPO objective (DESIGN §6, AReaL Eq. 5), summed over tokens.
 
     Every tensor is ``[rows, T]``, aligned with the input ids: ``logprobs`` (current policy,
     with grad), ``proximal_logprobs`` (recomputed at the start of the step, no grad),
     ``behavior_logprobs`` (recorded by the generator), ``advantages``, ``loss_mask``, and
-    optionally ``ref_logprobs`` (frozen reference) and ``entropy`` (``token_entropy``).
+    optionally ``ref_logprobs`` (frozen reference), ``entropy`` (``token_entropy``) and
+    ``sequence_ids`` (each token's sample in a packed row, for ``sequence_mask``).
 
-        w = min(exp(prox − behav), iw_cap)       u = exp(logp − prox)
+        w, keep = importance_weights(prox, behav, mask)        u = exp(logp − prox)
         pg = −w · min(u·A, clip(u, 1−ε_low, 1+ε_high)·A)    [dual clip: ≤ c·|A| when A < 0]
-        loss_sum = Σ mask · (pg + β·KL − c_ent·H + α·[A > 0]·(−logp))
+        loss_sum = Σ keep · (pg + β·KL − c_ent·H + α·[A > 0]·(−logp))
 
-    The caller divides by the global number of loss tokens (token-level mean). With
+    By default (``truncate``) w = min(exp(prox − behav), iw_cap) and keep = mask. The caller
+    divides by the global number of loss tokens, dropped ones too (token-level mean). With
     ``use_decoupled_loss=False`` the behavior logprobs play the proximal role and w = 1.
     """
-    if not cfg.use_decoupled_loss:
-        proximal_logprobs = behavior_logprobs
-    proximal_logprobs = proximal_logprobs.detach()
-    weight = torch.exp(proximal_logprobs - behavior_logprobs).clamp(max=cfg.iw_cap).detach()
-    ratio = torch.exp(logprobs - proximal_logprobs)
+    prox = (proximal_logprobs if cfg.use_decoupled_loss else behavior_logprobs).detach()
+    weight, keep = importance_weights(prox, behavior_logprobs, loss_mask, cfg, sequence_ids)
+    ratio = torch.exp(logprobs - prox)
     clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     objective = torch.minimum(ratio * advantages, clipped * advantages)
     if cfg.dual_clip > 1.0:
@@ -133,22 +175,83 @@ def ppo_loss(
         per_token = per_token - cfg.entropy_coef * entropy
     if cfg.positive_nll_coef:
         per_token = per_token - cfg.positive_nll_coef * (advantages > 0).float() * logprobs
-    mask = loss_mask
     with torch.no_grad():
-        was_clipped = (ratio * advantages > clipped * advantages).float()
         metrics = {
-            "train/clip_fraction": (was_clipped * mask).sum(),
-            "train/importance_weight": (weight * mask).sum(),
-            "train/importance_weight_capped": ((weight >= cfg.iw_cap).float() * mask).sum(),
-            "train/approx_kl_proximal": ((proximal_logprobs - logprobs) * mask).sum(),
+            "train/clip_fraction": ((ratio * advantages > clipped * advantages) * keep).sum(),
+            "train/importance_weight": (weight * keep).sum(),
+            "train/importance_weight_capped": ((weight >= cfg.iw_cap).float() * keep).sum(),
+            "train/approx_kl_proximal": ((prox - logprobs) * keep).sum(),
         }
+        if cfg.is_correction != "truncate":
+            metrics["train/is_masked_fraction"] = (loss_mask - keep).sum()
         if entropy is not None:
-            metrics["train/entropy"] = (entropy * mask).sum()
+            metrics["train/entropy"] = (entropy * keep).sum()
         if ref_logprobs is not None:
             metrics["train/kl_reference"] = (
-                kl_estimate(logprobs, ref_logprobs, cfg.kl_estimator) * mask
+                kl_estimate(logprobs, ref_logprobs, cfg.kl_estimator) * keep
             ).sum()
-    return (per_token * mask).sum(), metrics
+    return (per_token * keep).sum(), metrics
+
+
+def importance_weights(
+    proximal_logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cfg: PPOLossConfig,
+    sequence_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The behavior importance weights and the loss mask they leave, both ``[rows, T]``
+    (no grad), by ``cfg.is_correction``. With ρ = exp(prox − behav) per token and C =
+    ``iw_cap``:
+
+        truncate       w = min(ρ, C)                 mask = loss_mask
+        token_mask     w = ρ                         mask = loss_mask · [ρ ≤ C]
+        sequence_mask  w = min(ρ, C)                 mask = loss_mask · [low ≤ g ≤ high]
+        icepop         w = ρ                         mask = loss_mask · [α ≤ ρ ≤ β]
+
+    g is the sample's geometric-mean ratio, exp(mean of log ρ over its loss tokens)
+    (``sequence_geometric_mean``; ``sequence_ids`` ``[rows, T]`` names each token's sample,
+    -1 on padding; None: one sample per row). The masks follow the masked importance
+    sampling of the train–inference mismatch literature (token- and sequence-level MIS)
+    and IcePop's band; a kept sample's tokens keep TIS's clipped weight, because its mean
+    ratio bounds its drift as a whole, not that of one token in it. Under a mask w is 0
+    wherever the mask is 0, so an overflowing ρ never reaches the loss as inf · 0.
+    """
+    log_ratio = (proximal_logprobs - behavior_logprobs).detach()
+    ratio = torch.exp(log_ratio)
+    if cfg.is_correction == "truncate":
+        return ratio.clamp(max=cfg.iw_cap), loss_mask
+    if cfg.is_correction == "token_mask":
+        weight, keep = ratio, ratio <= cfg.iw_cap
+    elif cfg.is_correction == "icepop":
+        weight, keep = ratio, (ratio >= cfg.icepop_low) & (ratio <= cfg.icepop_high)
+    elif cfg.is_correction == "sequence_mask":
+        mean = sequence_geometric_mean(log_ratio, loss_mask, sequence_ids)
+        weight = ratio.clamp(max=cfg.iw_cap)
+        keep = (mean >= cfg.sequence_low) & (mean <= cfg.sequence_high)
+    else:
+        raise ValueError(f"unknown is_correction {cfg.is_correction!r}")
+    keep = keep & (loss_mask > 0)
+    return torch.where(keep, weight, 0.0), keep.to(loss_mask.dtype)
+
+
+def sequence_geometric_mean(
+    log_ratio: torch.Tensor, loss_mask: torch.Tensor, sequence_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[rows, T]``: at each token, exp(mean of ``log_ratio`` over its sample's loss
+    tokens), 1 for a sample without any. ``sequence_ids`` ``[rows, T]``: each token's
+    sample, -1 on padding (which reads sample 0's: it is no loss token); None: one sample
+    per row."""
+    if sequence_ids is None:
+        rows = torch.arange(log_ratio.shape[0], device=log_ratio.device)
+        sequence_ids = rows.unsqueeze(1).expand_as(log_ratio)
+    # Padding (-1) has loss mask 0: it adds nothing to the slot it is sent to.
+    ids = sequence_ids.reshape(-1).clamp(min=0)
+    counted = loss_mask.reshape(-1) > 0
+    values = torch.where(counted, log_ratio.reshape(-1), 0.0)  # no inf · 0 off the loss
+    sums = values.new_zeros(ids.numel()).index_add(0, ids, values)  # sample index < numel
+    counts = values.new_zeros(ids.numel()).index_add(0, ids, counted.to(values.dtype))
+    return torch.exp(sums / counts.clamp(min=1))[ids].reshape(log_ratio.shape)
 
 
 def token_values(head_out: torch.Tensor) -> torch.Tensor:

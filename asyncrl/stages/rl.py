@@ -34,6 +34,7 @@ from asyncrl.stages.rl_batch import (
     add_reference_logprobs,
     frozen_policy_stats,
     length_scalars,
+    mismatch_scalars,
     policy_loss,
     policy_updates,
     proximal_logprobs,
@@ -56,9 +57,11 @@ from asyncrl.wire import Batch, Sample
 __all__ = ["RLConfig", "RLExperiment", "main", "run"]
 
 
-def run(cfg: RLExperiment, info: DistInfo) -> dict:
-    """One trainer rank of the RL stage, to ``rl.max_steps`` versions; returns the summary."""
-    r = setup(cfg, info)
+def run(cfg: RLExperiment, info: DistInfo, source: BatchSource | None = None) -> dict:
+    """One trainer rank of the RL stage, to ``rl.max_steps`` versions; returns the summary.
+    ``source``: batches recorded by an earlier run, in place of the buffer and the
+    generators (``tools/replay.py``)."""
+    r = setup(cfg, info, source)
     core, accuracy = r.core, resume_or_evaluate(r, cfg)
     initial = accuracy.get("eval/accuracy")
     # A frozen, unsharded copy of the starting policy on every rank when the loss has a KL term.
@@ -79,6 +82,7 @@ def run(cfg: RLExperiment, info: DistInfo) -> dict:
         # 4. the decoupled-PPO update(s); a non-finite one is skipped and changes nothing
         if r.advantages.updates_policy(core.step):
             stats = policy_updates(core, micro, loss_fn, cfg.rl.update_epochs, proximal)
+            stats.metrics |= mismatch_scalars(micro, stats.outputs, core.step, info.device)
         else:  # the critic's warmup: the policy keeps its weights
             stats = frozen_policy_stats(core, micro)
         # 5. publish version v+1 to the generators and announce it to the buffer
@@ -120,7 +124,7 @@ class RLParts:
     ckpt_root: Path
 
 
-def setup(cfg: RLExperiment, info: DistInfo) -> RLParts:
+def setup(cfg: RLExperiment, info: DistInfo, recorded: BatchSource | None = None) -> RLParts:
     """Build the policy core, the advantage strategy (a critic core for PPO), the
     evaluator, the batch source and weight publisher, the logger and the ledger."""
     pad_id = load_tokenizer(cfg.model.path).pad_token_id
@@ -129,7 +133,9 @@ def setup(cfg: RLExperiment, info: DistInfo) -> RLParts:
     evaluate = Evaluator(cfg, build_task(cfg.task), info)
     source: BatchSource
     publisher: WeightPublisher
-    if cfg.placement == "colocated":  # one in-process object stands in for buffer and generators
+    if recorded is not None:  # a replay: the batches are known, nobody gets weights
+        source, publisher = recorded, NoWeightPublisher()
+    elif cfg.placement == "colocated":  # one in-process object: buffer and generators
         publisher = source = ColocatedRollout(cfg, info)
     else:
         publisher = weight_publisher(cfg) if info.is_main else NoWeightPublisher()

@@ -2,8 +2,9 @@
 (DESIGN §6): group rewards to per-token advantages (or token rewards, for the critic),
 micro-batches, the logprobs of the step's starting weights (proximal) and of the frozen
 reference (for a KL term), the decoupled-PPO loss over a micro-batch, and the optimizer
-update(s) of a batch; DAPO's overlong filtering (``trained_mask``), and the batch's
-completion-length figures (``length_scalars``).
+update(s) of a batch; DAPO's overlong filtering (``trained_mask``), the batch's
+completion-length figures (``length_scalars``) and the train–inference mismatch of its
+tokens (``mismatch_scalars``).
 
 The proximal logprobs are a value the step passes around, ``[rows, T]`` per micro-batch:
 computed by a separate no-grad pass (``proximal_logprobs``), or returned by the first
@@ -13,6 +14,7 @@ Nothing here writes into a micro-batch but the preparation steps named for it
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -28,7 +30,7 @@ from asyncrl.algorithms.advantages import (
 from asyncrl.algorithms.losses import PPOLossConfig, kl_estimate, ppo_loss, token_entropy
 from asyncrl.stages.critic import reward_on_last_token
 from asyncrl.trainer.core import StepStats, TrainerCore
-from asyncrl.trainer.dist import all_reduce_sum
+from asyncrl.trainer.dist import all_reduce_max, all_reduce_sum
 from asyncrl.trainer.logprobs import token_logprobs
 from asyncrl.trainer.packing import MicroBatch, TokenSequence, make_micro_batches
 from asyncrl.wire import Sample
@@ -40,6 +42,8 @@ def to_sequences(samples: list[Sample], cfg) -> list[TokenSequence]:
 
     Samples arrive as whole groups (the buffer keeps a group on one rank), in group order.
     Under ``rl.overlong_filter`` a truncated sample trains with loss mask 0 (``trained_mask``).
+    ``versions`` (the weights version of each generated token, -1 elsewhere) is for
+    ``mismatch_scalars``; the padding of a micro-batch reads version 0, loss mask 0.
     """
     out = []
     for members in by_group(samples):
@@ -61,7 +65,8 @@ def to_sequences(samples: list[Sample], cfg) -> list[TokenSequence]:
                 if cfg.rl.algorithm == "ppo"
                 else {"advantages": [a * m for m in mask]}
             )
-            out.append(TokenSequence(s.token_ids, mask, {"behavior": s.logprobs, **per_token}))
+            fields = {"behavior": s.logprobs, "versions": s.versions, **per_token}
+            out.append(TokenSequence(s.token_ids, mask, fields))
     return out
 
 
@@ -241,6 +246,7 @@ def policy_loss(cfg, temperature: float) -> PolicyLoss:
             cfg.rl.loss,
             ref_logprobs=f.get("reference"),
             entropy=entropy,
+            sequence_ids=mb.sequence_ids,
         )
         return loss_sum, metrics, proximal
 
@@ -290,3 +296,48 @@ def frozen_policy_stats(core: TrainerCore, micro: list[MicroBatch]) -> StepStats
     return StepStats(
         loss=0.0, grad_norm=0.0, lr=lr, tokens=int(tokens), seconds=0.0, skipped=False, metrics={}
     )
+
+
+def mismatch_scalars(
+    micro: list[MicroBatch], proximal: list[torch.Tensor], version: int, device: torch.device
+) -> dict[str, float]:
+    """The train–inference mismatch of the step's batch, every rank's share: over the loss
+    tokens sampled with weights ``version`` (the proximal policy's, the step's start),
+    whose behavior and proximal logprobs differ only by how the engine and the trainer
+    compute them. ``mismatch/abs_logprob_diff_mean`` and ``_max`` (|behavior − proximal|),
+    ``mismatch/kl`` (KL(behavior ‖ proximal), k3 over the sampled tokens, ≥ 0) and
+    ``mismatch/tokens``; with no such token, ``mismatch/tokens`` 0 alone.
+
+    ``proximal``: one ``[rows, T]`` per micro-batch (``StepStats.outputs``). Every rank
+    calls it, also one with no micro-batch: a sum and a max collective.
+    """
+    abs_sum = kl_sum = count = top = 0.0
+    for mb, prox in zip(micro, proximal, strict=True):
+        if "versions" not in mb.fields:  # sequences built without versions: nothing to match
+            continue
+        counted = (mb.loss_mask > 0) & (mb.fields["versions"] == version)
+        behavior = mb.fields["behavior"][counted].double()
+        prox = prox.detach().cpu()[counted].double()
+        diff = (behavior - prox).abs()
+        abs_sum += diff.sum().item()
+        kl_sum += kl_estimate(behavior, prox, "k3").sum().item()
+        count += diff.numel()
+        top = max(top, diff.max().item()) if diff.numel() else top
+    abs_sum, kl_sum, count = all_reduce_sum([abs_sum, kl_sum, count], device)
+    top = max_over_ranks(top, device)
+    if not count:
+        return {"mismatch/tokens": 0.0}
+    return {
+        "mismatch/abs_logprob_diff_mean": abs_sum / count,
+        "mismatch/abs_logprob_diff_max": top,
+        "mismatch/kl": kl_sum / count,
+        "mismatch/tokens": count,
+    }
+
+
+def max_over_ranks(value: float, device: torch.device) -> float:
+    """The largest of every rank's ``value`` (≥ 0), through ``all_reduce_max`` over
+    integers: the IEEE-754 bits of non-negative doubles, read as an int64, order as the
+    doubles do."""
+    bits = struct.unpack("<q", struct.pack("<d", value))[0]
+    return struct.unpack("<d", struct.pack("<q", all_reduce_max(bits, device)))[0]

@@ -49,7 +49,7 @@ class RLConfig:
     export_dir: str = ""
     """Write the final policy as an HF directory here; empty means ``RUN_DIR/hf``."""
     loss: PPOLossConfig = field(default_factory=PPOLossConfig)
-    """The decoupled-PPO loss: clipping, importance-weight cap, KL and entropy terms."""
+    """The decoupled-PPO loss: clipping, importance-sampling correction, KL and entropy terms."""
     proximal_pass: bool = False
     """Compute the proximal logprobs in a separate no-grad forward before the step. Off,
     they are the step's own forward's logprobs, detached: with one update per batch both
@@ -136,6 +136,7 @@ class RLExperiment:
             self.eval.stop_token_ids = list(self.sampling.stop_token_ids)
             self.eval.keep_stop_text = self.sampling.keep_stop_text
         try:
+            self.rl.loss.check()
             self.reward.check()
             # Imports the user's reward modules now, so a bad one fails before any process.
             check_rewards(self.task)
