@@ -58,6 +58,11 @@ class BufferConfig:
     """The buffer process saves its state this often (and at exit); between saves it
     appends what it accepts to a write-ahead log, so a restart loses nothing. 0 disables
     both."""
+    keep_wal: bool = True
+    """Keep every segment of the write-ahead log, from the run's first input on:
+    ``tools/replay.py`` rebuilds from them the exact batches the trainer took. About 20
+    bytes per generated token (its id, behavior logprob and version, framed). False: a
+    segment is deleted once a saved state covers it (a restart needs no more)."""
     wal_fsync: bool = False
     """fsync the write-ahead log at every flush: survives the machine dying, not only the
     process, at the cost of a disk sync per loop turn that accepted something."""

@@ -116,12 +116,13 @@ class BufferServer:
 
     def save_state(self) -> None:
         """Save the state, naming a fresh log segment that starts at it; then drop the old
-        segments. A crash anywhere in between leaves a saved state whose segment is whole."""
+        segments (unless ``keep_wal``). A crash anywhere in between leaves a saved state
+        whose segment is whole."""
         segment = self.wal.roll() if self.wal is not None else 0
         tmp = self.state_path.with_suffix(".tmp")
         tmp.write_bytes(msgspec.msgpack.encode(SavedState(segment, self.buffer.save())))
         os.replace(tmp, self.state_path)
-        if self.wal is not None:
+        if self.wal is not None and not self.cfg.buffer.keep_wal:
             self.wal.drop_before(segment)
 
     def recover(self, now: float) -> int:
