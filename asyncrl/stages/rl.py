@@ -8,7 +8,10 @@ part (nothing for GRPO/RLOO, whose advantages come with the batch; values and GA
 PPO's critic, ``asyncrl.stages.advantages``), takes the decoupled-PPO update(s) on the
 FSDP2 core, and rank 0's ``WeightPublisher`` sends the new weights as version i+1 (ZeroMQ
 frames, a versioned HF directory or NCCL; ``asyncrl.trainer.publish``) before the buffer
-hears of the version. The loop alone advances the version, once per batch.
+hears of the version. The loop alone advances the version, once per batch. The
+``Guard`` (``asyncrl.stages.guard``) judges each update's statistics against their
+history before the optimizer applies it, and warns, refuses it or rolls the weights back;
+a replay (``asyncrl.stages.replay``) runs this loop on a recorded run's batches.
 
 The buffer and generator processes are started by the launcher (``RLExperiment`` in
 ``asyncrl.stages.rl_config``, re-exported here); ``max_staleness=0`` is the synchronous
@@ -30,6 +33,8 @@ from asyncrl.models import load_model, load_tokenizer
 from asyncrl.stages.advantages import Advantages, make_advantages
 from asyncrl.stages.colocated import ColocatedRollout
 from asyncrl.stages.common import out_of_time, stage_clock, stage_main
+from asyncrl.stages.guard import Guard
+from asyncrl.stages.reward_norm import RewardNormalizer
 from asyncrl.stages.rl_batch import (
     add_reference_logprobs,
     frozen_policy_stats,
@@ -71,7 +76,7 @@ def run(cfg: RLExperiment, info: DistInfo, source: BatchSource | None = None) ->
     while core.step < cfg.rl.max_steps and not stop:
         # 1. my share of this step's batch (whole groups, at most max_staleness old)
         batch, waited = take_batch(r, cfg, info)
-        micro = rl_micro_batches(batch.samples, cfg, core.pad_id)
+        micro = rl_micro_batches(r.rewards.normalize(batch.samples), cfg, core.pad_id)
         # 2. logprobs with the step's starting weights, no grad: the proximal policy's
         #    (None: the first update's own forward gives them) and the reference's
         proximal = proximal_logprobs(core, micro, temperature) if cfg.rl.proximal_pass else None
@@ -79,12 +84,15 @@ def run(cfg: RLExperiment, info: DistInfo, source: BatchSource | None = None) ->
             add_reference_logprobs(reference, micro, info.device, temperature)
         # 3. advantages: group-relative ones came with the batch; PPO's critic adds GAE's
         estimates = r.advantages.before_update(micro)
-        # 4. the decoupled-PPO update(s); a non-finite one is skipped and changes nothing
+        # 4. the decoupled-PPO update(s); a non-finite one is skipped and changes nothing,
+        #    as is one the guard refuses (rl.guard.action=skip)
+        r.guard.start_step(batch.samples)
         if r.advantages.updates_policy(core.step):
             stats = policy_updates(core, micro, loss_fn, cfg.rl.update_epochs, proximal)
             stats.metrics |= mismatch_scalars(micro, stats.outputs, core.step, info.device)
         else:  # the critic's warmup: the policy keeps its weights
             stats = frozen_policy_stats(core, micro)
+        guarded = r.guard.end_step()  # a warning, or the last good weights back (rollback)
         # 5. publish version v+1 to the generators and announce it to the buffer
         sync_s = r.publisher.publish(core.step + 1, core.full_state_dict())
         if info.is_main:
@@ -94,7 +102,7 @@ def run(cfg: RLExperiment, info: DistInfo, source: BatchSource | None = None) ->
         # 6. the version: once per batch, so step, batch and version stay one to one
         core.step += 1
         # 7. log, evaluate, checkpoint
-        scalars = step_scalars(stats, waited, sync_s, batch.samples) | estimates
+        scalars = step_scalars(stats, waited, sync_s, batch.samples) | estimates | guarded
         scalars |= length_scalars(batch.samples, cfg, info.device)  # every rank joins
         stop = out_of_time(r.start, cfg.time_limit_s, info) or reached(cfg, accuracy, info)
         last = core.step >= cfg.rl.max_steps or stop
@@ -122,6 +130,10 @@ class RLParts:
     start: float
     """When the stage's training began (Unix time), across trainer restarts."""
     ckpt_root: Path
+    guard: Guard
+    """Judges each step's statistics; warns, skips the update or rolls back (``rl.guard``)."""
+    rewards: RewardNormalizer
+    """``rl.reward_norm``: the batch's rewards, normalized by their running moments (or not)."""
 
 
 def setup(cfg: RLExperiment, info: DistInfo, recorded: BatchSource | None = None) -> RLParts:
@@ -145,7 +157,11 @@ def setup(cfg: RLExperiment, info: DistInfo, recorded: BatchSource | None = None
     # Logged times and time_limit_s count from the first trainer start, across restarts.
     start = log.start = stage_clock(cfg.run_dir, info)
     ckpt_root = Path(cfg.run_dir) / "checkpoints"
-    return RLParts(core, advantages, evaluate, source, publisher, log, ledger, start, ckpt_root)
+    guard = Guard(cfg.rl.guard, cfg.run_dir, cfg.buffer.max_staleness, core, advantages.companions)
+    rewards = RewardNormalizer(cfg.rl.reward_norm, cfg.rl.reward_norm_decay, info.device)
+    return RLParts(
+        core, advantages, evaluate, source, publisher, log, ledger, start, ckpt_root, guard, rewards
+    )
 
 
 def resume_or_evaluate(r: RLParts, cfg: RLExperiment) -> dict:
@@ -156,7 +172,9 @@ def resume_or_evaluate(r: RLParts, cfg: RLExperiment) -> dict:
     resume_from = latest_checkpoint(r.ckpt_root) if cfg.trainer.resume else None
     accuracy = {} if resume_from else r.evaluate(core)
     if resume_from is not None:
-        load_checkpoint(core, resume_from, r.advantages.companions)
+        stage = load_checkpoint(core, resume_from, r.advantages.companions)
+        r.guard.load_state_dict(stage.get("guard", {}))
+        r.rewards.load_state_dict(stage.get("reward_norm", {}))
     if accuracy:
         r.log.log(core.step, accuracy)
     if core.step > 0:
@@ -228,7 +246,8 @@ def checkpoint_if_due(r: RLParts, cfg: RLExperiment, last: bool) -> None:
     every = cfg.trainer.checkpoint_every
     if (every and r.core.step % every == 0) or last:
         companions = r.advantages.companions
-        save_checkpoint(r.core, r.ckpt_root, {}, cfg.trainer.keep_checkpoints, companions)
+        stage = {"guard": r.guard.state_dict(), "reward_norm": r.rewards.state_dict()}
+        save_checkpoint(r.core, r.ckpt_root, stage, cfg.trainer.keep_checkpoints, companions)
         if r.core.info.is_main:  # the buffer may forget the batches before the oldest one kept
             r.source.announce_checkpoint(oldest_checkpoint_step(r.ckpt_root))
 

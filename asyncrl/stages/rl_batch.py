@@ -29,6 +29,7 @@ from asyncrl.algorithms.advantages import (
 )
 from asyncrl.algorithms.losses import PPOLossConfig, kl_estimate, ppo_loss, token_entropy
 from asyncrl.stages.critic import reward_on_last_token
+from asyncrl.stages.guard import entropy_for_the_guard
 from asyncrl.trainer.core import StepStats, TrainerCore
 from asyncrl.trainer.dist import all_reduce_max, all_reduce_sum
 from asyncrl.trainer.logprobs import token_logprobs
@@ -237,6 +238,8 @@ def policy_loss(cfg, temperature: float) -> PolicyLoss:
         logp = token_logprobs(logits, mb.input_ids, temperature)
         proximal = logp.detach() if proximal is None else proximal.to(logp.device)
         entropy = token_entropy(logits, temperature) if cfg.rl.loss.entropy_coef else None
+        if entropy is None and cfg.rl.guard.watches_entropy:  # the metric alone: no grad
+            entropy = entropy_for_the_guard(logits, temperature)
         loss_sum, metrics = ppo_loss(
             logp,
             proximal,

@@ -24,6 +24,7 @@ from asyncrl.rollout import RolloutConfig, SamplingConfig
 from asyncrl.stages.common import ProcessSpec, trainer_ranks
 from asyncrl.stages.critic import CriticConfig
 from asyncrl.stages.fit import fit_context
+from asyncrl.stages.guard import GuardConfig
 from asyncrl.tasks import TaskConfig
 from asyncrl.tasks.rewards import check_rewards
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
@@ -63,6 +64,19 @@ class RLConfig:
     to ``max_steps × update_epochs``)."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The value model, GAE and the value loss; used when ``algorithm`` is ``ppo``."""
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    """The collapse guard: entropy, reward, gradient norm, clip fraction and importance
+    weight against their running levels; warn, skip the update or roll back
+    (``asyncrl.stages.guard``)."""
+    reward_norm: Literal["none", "running"] = "none"
+    """``running``: rewards become (r − mean) / std with a moving mean and std of the
+    run's rewards (``asyncrl.stages.reward_norm``), before advantages, for reward scales
+    that drift (a reward model's). GRPO's per-group z-score makes it a no-op there; it
+    rescales RLOO's, Dr.GRPO's and PPO's advantages. Off by default: a verifier's 0/1
+    reward has a fixed scale."""
+    reward_norm_decay: float = 0.9
+    """Per-step decay of that moving mean and variance (each step's batch moments in
+    turn): about the last 10 batches, so a drifting scale is followed within as many."""
 
 
 @dataclass
@@ -137,6 +151,7 @@ class RLExperiment:
             self.eval.keep_stop_text = self.sampling.keep_stop_text
         try:
             self.rl.loss.check()
+            self.rl.guard.check()
             self.reward.check()
             # Imports the user's reward modules now, so a bad one fails before any process.
             check_rewards(self.task)

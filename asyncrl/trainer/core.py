@@ -72,8 +72,8 @@ class StepStats:
     """Tokens (all ranks) in this step's sequences."""
     seconds: float
     skipped: bool
-    """The loss or gradient norm was NaN/inf: no optimizer or scheduler step was taken
-    and the gradients were dropped."""
+    """The loss or gradient norm was NaN/inf, or ``TrainerCore.step_check`` refused the
+    update: no optimizer or scheduler step was taken and the gradients were dropped."""
     metrics: dict[str, float]
     """Global metric sums divided by the normalizer."""
     outputs: list[Any] = field(default_factory=list)
@@ -129,6 +129,10 @@ class TrainerCore:
         # saves it; train_step leaves it alone.
         self.step = 0
         self.nonfinite_in_a_row = 0
+        # The stage's veto on an update, asked before each optimizer step with the step's
+        # loss, gradient norm and metrics (as in StepStats); False refuses the update as a
+        # non-finite one is refused, without counting as one (the RL guard's skip).
+        self.step_check: Callable[[float, float, dict[str, float]], bool] | None = None
 
     def forward(self, mb: MicroBatch) -> torch.Tensor:
         """Logits ``[rows, T, V]`` of one micro-batch (packed, padded or with shared
@@ -181,15 +185,16 @@ class TrainerCore:
         )
         loss = summed[0] / max(normalizer, 1.0)
         lr = self.scheduler.get_last_lr()[0]
-        finite = self._step_if_finite(loss, grad_norm)
+        metrics = {k: v / max(normalizer, 1.0) for k, v in zip(keys, summed[1:])}
+        stepped = self._step_if_finite(loss, grad_norm, metrics)
         return StepStats(
             loss=loss,
             grad_norm=grad_norm,
             lr=lr,
             tokens=int(tokens),
             seconds=time.perf_counter() - start,
-            skipped=not finite,
-            metrics={k: v / max(normalizer, 1.0) for k, v in zip(keys, summed[1:])},
+            skipped=not stepped,
+            metrics=metrics,
             outputs=outputs,
         )
 
@@ -223,13 +228,17 @@ class TrainerCore:
                 outputs.append(output[0])
         return loss_total, metric_sums, outputs
 
-    def _step_if_finite(self, loss: float, grad_norm: float) -> bool:
-        """The optimizer and scheduler step when loss and gradient norm are finite; else
-        drop the gradients, and raise ``NonFiniteError`` after too many in a row."""
+    def _step_if_finite(self, loss: float, grad_norm: float, metrics: dict[str, float]) -> bool:
+        """The optimizer and scheduler step when loss and gradient norm are finite and
+        ``step_check`` (if any) accepts; else drop the gradients, and raise
+        ``NonFiniteError`` after too many non-finite ones in a row."""
         if math.isfinite(loss) and math.isfinite(grad_norm):
+            self.nonfinite_in_a_row = 0
+            if self.step_check is not None and not self.step_check(loss, grad_norm, metrics):
+                self.optimizer.zero_grad(set_to_none=True)
+                return False
             self.optimizer.step()
             self.scheduler.step()
-            self.nonfinite_in_a_row = 0
             return True
         self.optimizer.zero_grad(set_to_none=True)
         self.nonfinite_in_a_row += 1
