@@ -15,7 +15,6 @@ Measured figures: docs/results.md.
 from dataclasses import replace
 from pathlib import Path
 
-from asyncrl.algorithms.losses import PPOLossConfig
 from asyncrl.buffer.config import BufferConfig
 from asyncrl.buffer.rewards import RewardConfig
 from asyncrl.config import load_experiment
@@ -26,11 +25,12 @@ from asyncrl.envs.calculator import STOP
 from asyncrl.evaluation import EvalConfig
 from asyncrl.models import ModelConfig
 from asyncrl.rollout import SamplingConfig
-from asyncrl.stages.rl import RLConfig, RLExperiment
-from asyncrl.trainer.config import OptimConfig, TrainerConfig
+from asyncrl.stages.rl import RLExperiment
+from asyncrl.trainer.config import TrainerConfig
 
 SFT_FILE = Path(__file__).with_name("tiny_agent_sft.py")
 sft = load_experiment(SFT_FILE)  # also writes the data files when they are missing
+grpo = load_experiment(Path(__file__).with_name("tiny_grpo.py"))  # its RL settings
 RL_PATH = str(Path(sft.task.train_path).with_name("rl.jsonl"))
 TURN_TOKENS = sft.eval.max_new_tokens
 # Prompts are at most 7 tokens ("999*99\n"); a slot holds one and a whole episode.
@@ -48,13 +48,8 @@ config = RLExperiment(
     ),
     # tiny_grpo's rate and cosine decay over what 10 minutes make: about 100 updates at
     # the start's ~5 s a step (steps slow down as dynamic sampling drops solved groups).
-    optim=OptimConfig(lr=2e-4, warmup_steps=20, schedule="cosine", total_steps=200),
-    rl=RLConfig(
-        algorithm="grpo",
-        max_steps=2000,
-        update_epochs=2,
-        loss=PPOLossConfig(clip_low=0.2, clip_high=0.28, positive_nll_coef=2.0),
-    ),
+    optim=replace(grpo.optim, total_steps=200),
+    rl=grpo.rl,
     # 8 samples a prompt, not tiny_grpo's 4: at an SFT start of 20-50% success, more
     # groups hold both a success and a failure (the ones dynamic sampling keeps), for the
     # same 256 episodes a batch.

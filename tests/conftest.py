@@ -4,6 +4,9 @@ tinier one with the small Qwen-style BPE tokenizer and its chat template."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +16,18 @@ from asyncrl.chat_tokenizers import save_tokenizer, small_tokenizer
 from asyncrl.models import TinyModelConfig, build_tiny_model
 from asyncrl.tasks import TaskConfig, build_task
 from asyncrl.trainer.dist import init_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def launch(experiment: str, *overrides: str, timeout: float = 300) -> str:
+    """``launch/local.py experiments/EXPERIMENT overrides`` to its end; its output, after
+    asserting it succeeded (the tail of both streams if not)."""
+    cmd = [sys.executable, "launch/local.py", f"experiments/{experiment}", *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout
+
 
 # Smaller than the demo's model so tests stay fast; same architecture and code path.
 TEST_MODEL = TinyModelConfig(

@@ -16,6 +16,8 @@ class Counter(Environment):
     (turn text → observation text), for the tests to check the trajectories against."""
 
     log: dict[str, str] = {}
+    answer = " = {} + "
+    """The observation, around the turn's length."""
 
     def __init__(self, example) -> None:
         super().__init__(example)
@@ -25,7 +27,7 @@ class Counter(Environment):
         self.turns += 1
         if self.turns == 3:
             return Step(reward=float(len(turn) > 3), done=True)
-        observation = f" = {self.tool(len, turn)} + "
+        observation = self.answer.format(self.tool(len, turn))
         Counter.log[turn] = observation
         return Step(observation=observation)
 
@@ -63,11 +65,8 @@ class Lines(Counter):
     """``Counter`` in the calculator task's characters ("= 12\\n"), its tool slowed a little
     so that a generator killed at any moment holds episodes between their turns."""
 
+    answer = "= {}\n"
+
     def step(self, turn: str) -> Step:
         self.tool(time.sleep, 0.02)
-        step = super().step(turn)
-        return Step(
-            observation=step.observation.replace(" + ", "\n")[1:],
-            reward=step.reward,
-            done=step.done,
-        )
+        return super().step(turn)

@@ -8,15 +8,14 @@ points of its best. Versions keep increasing through the rollback."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from asyncrl.metrics import read_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
+from .conftest import ROOT, launch
+
 DEMO_SFT = ROOT / "runs" / "models" / "tiny-sft"
 
 COLLAPSING_RUN = [
@@ -47,34 +46,28 @@ def sft_start(tmp_path: Path) -> Path:
     if (DEMO_SFT / "config.json").is_file():
         return DEMO_SFT
     out = tmp_path / "tiny-sft"
-    cmd = [
-        sys.executable,
-        "launch/local.py",
-        "experiments/tiny_sft.py",
+    launch(
+        "tiny_sft.py",
         f"run_dir={tmp_path / 'sft'}",
         f"model.path={tmp_path / 'tiny-qwen2'}",
         f"sft.export_dir={out}",
         "metrics.progress_bar=false",
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        timeout=900,
+    )
     return out
 
 
 @pytest.mark.slow
 def test_a_collapsing_run_is_rolled_back_and_ends_near_its_best(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "launch/local.py",
-        "experiments/tiny_grpo.py",
+    launch(
+        "tiny_grpo.py",
         f"run_dir={run_dir}",
         f"model.path={sft_start(tmp_path)}",
         "rl.guard.action=rollback",
         *COLLAPSING_RUN,
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        timeout=600,
+    )
     records = [r for r in read_metrics(run_dir) if r["process"] == "trainer"]
     steps = [r for r in records if "train/loss" in r]
     # One trainer process, one line per version, every version new (none reused).

@@ -14,7 +14,7 @@ import pytest
 
 from asyncrl.stages.replay import ReplayError, wal_segments
 
-ROOT = Path(__file__).resolve().parents[1]
+from .conftest import ROOT, launch
 
 
 def _replay(run_dir: Path, *extra: str) -> dict:
@@ -26,10 +26,8 @@ def _replay(run_dir: Path, *extra: str) -> dict:
 
 def test_a_replayed_run_ends_with_its_weights_bit_for_bit(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "launch/local.py",
-        "experiments/tiny_grpo.py",
+    launch(
+        "tiny_grpo.py",
         f"run_dir={run_dir}",
         f"model.path={tiny_model_dir}",
         "rl.max_steps=6",
@@ -43,9 +41,7 @@ def test_a_replayed_run_ends_with_its_weights_bit_for_bit(tmp_path, tiny_model_d
         "engine.embedded.max_slots=8",
         "transport.heartbeat_s=0.2",
         "num_generators=2",
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    )
     assert len(wal_segments(run_dir)) > 2
     same = _replay(run_dir)
     assert same["steps"] == 6

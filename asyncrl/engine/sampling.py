@@ -54,15 +54,16 @@ def sample(
         top_p = torch.tensor([p.top_p for p in params], device=device)
         if bool((top_k > 0).any() or (top_p < 1.0).any()):
             scaled = _truncate(scaled, top_k, top_p)
-        uniform = torch.rand(logits.shape, device=device)
-        gumbel = -torch.log(-torch.log(uniform.clamp_(1e-20, 1.0 - 1e-7)))
-        drawn = (scaled + gumbel).argmax(-1)
-        seeded = [b for b, p in enumerate(params) if p.seed is not None and p.temperature > 0]
-        if seeded:
-            rows = torch.tensor(seeded, device=device)
-            seeds = [params[b].seed for b in seeded]
-            u = uniform_at(seeds, [positions[b] for b in seeded]).to(device)
-            drawn[rows] = _invert_cdf(scaled[rows], u)
+        seeded = torch.tensor([p.seed is not None for p in params], device=device)
+        drawn = tokens.clone()
+        if not bool(seeded.all()):  # Gumbel-max over one draw for the unseeded rows
+            uniform = torch.rand(logits.shape, device=device)
+            gumbel = -torch.log(-torch.log(uniform.clamp_(1e-20, 1.0 - 1e-7)))
+            drawn = torch.where(seeded, drawn, (scaled + gumbel).argmax(-1))
+        if bool(seeded.any()):
+            rows = [b for b, p in enumerate(params) if p.seed is not None]
+            u = uniform_at([params[b].seed for b in rows], [positions[b] for b in rows])
+            drawn[rows] = _invert_cdf(scaled[rows], u.to(device))
         tokens = torch.where(greedy, tokens, drawn)
     chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
     return tokens.tolist(), chosen.tolist()
