@@ -29,6 +29,7 @@ from asyncrl.engine.remote import RemoteEngine
 from asyncrl.engine.servers import RemoteEngineConfig, write_weights_dir
 from asyncrl.metrics import read_metrics
 from asyncrl.models import ModelConfig, load_model, load_tokenizer
+from asyncrl.seeds import derive_seed
 from asyncrl.stages.rl import RLExperiment
 from asyncrl.trainer.publish import DiskWeightPublisher, NcclWeightPublisher
 from asyncrl.transport import TransportConfig, make_socket, read_endpoints
@@ -333,7 +334,12 @@ def test_sglang_protocol_reading():
     assert api.finish_reason({"type": "abort", "message": "paused"}, {2}) == ("abort", False)
     assert api.finish_reason({"type": "abort", "status_code": 400}, {2}) == ("abort", True)
     payload = api.generate_payload("r", [1, 2], SamplingParams(top_k=0, seed=3), 5)
-    assert payload["sampling_params"] == {"max_new_tokens": 5, "temperature": 1.0, "top_p": 1.0}
+    assert payload["sampling_params"] == {
+        "max_new_tokens": 5,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "sampling_seed": derive_seed(3, 2),  # keyed by the attempt's start
+    }
     assert payload["stream"] and payload["return_logprob"]
     stops = SamplingParams(stop=["\n\n"], stop_token_ids=[4])
     assert api.generate_payload("r", [1], stops, 5)["sampling_params"] == {

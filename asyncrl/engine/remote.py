@@ -36,8 +36,9 @@ the embedded engine. What differs between servers is one ``ServerApi`` object
   sampled with. That is all the decoupled loss needs (DESIGN §6): it corrects each token
   by its own behavior logprob, whichever policy produced it.
 
-Differences from the embedded engine: a request's ``seed`` is not sent to sglang (vLLM
-gets it), and ``max_new_tokens`` is capped so that prompt + completion fit
+Differences from the embedded engine: a request's seed goes to the server keyed by where
+each attempt starts (sglang applies it in its deterministic mode only), and
+``max_new_tokens`` is capped so that prompt + completion fit
 ``max_seq_len``. Stop strings go with every attempt, and a server looks for them in what
 that attempt generates: one split by an interruption ends nothing (the reward's text is
 still cut at it).

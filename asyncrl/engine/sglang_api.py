@@ -46,18 +46,23 @@ import json
 from collections.abc import AsyncIterator
 
 from asyncrl.engine.base import SamplingParams
+from asyncrl.seeds import derive_seed
 
 
 def generate_payload(
     rid: str, input_ids: list[int], params: SamplingParams, max_new_tokens: int
 ) -> dict:
-    """The body of a streaming ``/generate`` request. ``params.seed`` is not sent: sglang
-    seeds per server (a per-request seed needs its deterministic mode)."""
+    """The body of a streaming ``/generate`` request. A seeded request's ``sampling_seed``
+    is its seed keyed by where the attempt starts (a resumed attempt draws afresh); sglang
+    applies it in its deterministic mode (``--enable-deterministic-inference``), and the
+    embedded engine's front always."""
     sampling = {
         "max_new_tokens": max_new_tokens,
         "temperature": params.temperature,
         "top_p": params.top_p,
     }
+    if params.seed is not None:
+        sampling["sampling_seed"] = derive_seed(params.seed, len(input_ids))
     if params.top_k > 0:
         sampling["top_k"] = params.top_k
     if params.stop_token_ids:
