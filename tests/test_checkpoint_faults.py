@@ -263,6 +263,23 @@ def test_rng_and_scheduler_restore_exactly_without_pickle(dist_info, tiny_model_
     assert fresh.scheduler.state_dict() == core.scheduler.state_dict()
 
 
+def test_a_resumed_core_trains_at_its_configured_rate(dist_info, tiny_model_dir, tmp_path):
+    """The schedule's position comes from the checkpoint, the rate from the config: a run
+    resumed (or replayed from a checkpoint) with another ``optim.lr`` trains at it."""
+    core = _core(tiny_model_dir, dist_info)
+    core.train_step(_batch(core, 0), loss_fn)
+    path = save_checkpoint(core, tmp_path, {}, keep=1)
+    optim = OptimConfig(lr=3e-3, warmup_steps=4, schedule="constant", max_grad_norm=1.0)
+    fresh = TrainerCore(ModelConfig(path=tiny_model_dir), TrainerConfig(), optim, dist_info, 0)
+    load_checkpoint(fresh, path)
+    assert fresh.scheduler.last_epoch == core.scheduler.last_epoch == 1
+    assert fresh.scheduler.base_lrs == [3e-3]
+    assert fresh.optimizer.param_groups[0]["lr"] == pytest.approx(3e-3 * 2 / 4)  # warmup 2/4
+    same = _core(tiny_model_dir, dist_info)
+    load_checkpoint(same, path)
+    assert same.optimizer.param_groups[0]["lr"] == core.optimizer.param_groups[0]["lr"]
+
+
 def test_checkpoint_from_before_manifests_loads_unverified(
     two_checkpoints, dist_info, tiny_model_dir, capsys
 ):

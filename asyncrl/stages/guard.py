@@ -38,7 +38,11 @@ import torch
 from asyncrl.trainer.checkpoint import latest_checkpoint, save_checkpoint
 from asyncrl.trainer.core import TrainerCore
 from asyncrl.trainer.dist import all_reduce_sum
-from asyncrl.trainer.restore import restore_good_weights, restore_start_weights
+from asyncrl.trainer.restore import (
+    restore_good_weights,
+    restore_start_weights,
+    scale_learning_rate,
+)
 from asyncrl.wire import Sample
 
 log = logging.getLogger(__name__)
@@ -366,9 +370,13 @@ class Guard:
         return {"monitor": self.monitor.state_dict(), "counts": self.counts, "lr": self.lr_scale}
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume from a trainer checkpoint (loaded into the core already, at the config's
+        rates): the history, the counts, and the rollbacks' lower rate."""
         self.monitor.load_state_dict(state.get("monitor", {}))
         self.counts.update(state.get("counts", {}))
         self.lr_scale = state.get("lr", 1.0)
+        if self.lr_scale != 1.0:
+            scale_learning_rate(self.core, self.lr_scale)
 
 
 def forget_after(root: Path, step: int) -> None:

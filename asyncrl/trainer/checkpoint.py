@@ -179,6 +179,7 @@ def _save_core(core: TrainerCore, path: Path, extra: dict[str, Any]) -> None:
 
 
 def _load_core(core: TrainerCore, path: Path, legacy: bool) -> dict[str, Any]:
+    configured = list(core.scheduler.base_lrs)  # the config's rates, before the checkpoint's
     model_sd, optim_sd = get_state_dict(core.model, core.optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
@@ -192,6 +193,9 @@ def _load_core(core: TrainerCore, path: Path, legacy: bool) -> dict[str, Any]:
     # state: our own file on local disk, the one place that still unpickles.
     extra = torch.load(extra_file, weights_only=not legacy)
     core.scheduler.load_state_dict(extra["scheduler"])
+    # The schedule's position is the checkpoint's, its rates the config's: a run resumed
+    # (or replayed, tools/replay.py) with another optim.lr trains at that rate.
+    core.set_base_lrs(configured)
     return extra
 
 

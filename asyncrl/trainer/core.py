@@ -134,6 +134,16 @@ class TrainerCore:
         # non-finite one is refused, without counting as one (the RL guard's skip).
         self.step_check: Callable[[float, float, dict[str, float]], bool] | None = None
 
+    def set_base_lrs(self, base_lrs: list[float]) -> None:
+        """The schedule's base rate per parameter group, with the optimizer's rates set to
+        the schedule's value at its current position."""
+        scheduler = self.scheduler
+        rates = [b * fn(scheduler.last_epoch) for b, fn in zip(base_lrs, scheduler.lr_lambdas)]
+        state = scheduler.state_dict() | {"base_lrs": list(base_lrs), "_last_lr": rates}
+        scheduler.load_state_dict(state)
+        for group, base, rate in zip(self.optimizer.param_groups, base_lrs, rates):
+            group["initial_lr"], group["lr"] = base, rate
+
     def forward(self, mb: MicroBatch) -> torch.Tensor:
         """Logits ``[rows, T, V]`` of one micro-batch (packed, padded or with shared
         prefixes, realigned by ``MicroBatch.align_logits``); V = 1 for a value head."""

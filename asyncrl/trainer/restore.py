@@ -27,7 +27,7 @@ def restore_good_weights(
     for c, step, schedule in zip(cores, steps, schedules):
         c.step = step
         c.scheduler.load_state_dict(schedule)
-        set_learning_rates(c, schedule["base_lrs"])  # the optimizer's came from the checkpoint
+        c.set_base_lrs(schedule["base_lrs"])  # the optimizer's came from the checkpoint
     scale_learning_rate(core, lr_factor)
 
 
@@ -46,13 +46,4 @@ def restore_start_weights(
 def scale_learning_rate(core: TrainerCore, factor: float) -> None:
     """Multiply the schedule's base rates by ``factor`` and set the optimizer's rates to
     the schedule's value at its current position."""
-    set_learning_rates(core, [b * factor for b in core.scheduler.base_lrs])
-
-
-def set_learning_rates(core: TrainerCore, base_lrs: list[float]) -> None:
-    scheduler = core.scheduler
-    state = scheduler.state_dict()
-    rates = [b * fn(scheduler.last_epoch) for b, fn in zip(base_lrs, scheduler.lr_lambdas)]
-    scheduler.load_state_dict(state | {"base_lrs": base_lrs, "_last_lr": rates})
-    for group, base, rate in zip(core.optimizer.param_groups, base_lrs, rates):
-        group["initial_lr"], group["lr"] = base, rate
+    core.set_base_lrs([b * factor for b in core.scheduler.base_lrs])
