@@ -40,6 +40,11 @@ class SamplingConfig:
     """Token ids that end a sample (finish reason ``stop``) besides the model's EOS. The
     token stays in the token ids; its text is left out of the reward's text unless
     ``keep_stop_text`` (a special token's never shows)."""
+    seeded: bool = True
+    """Each sample draws from its own seed (the run's ``seed``, its group and its index)
+    by token position, so its tokens depend on no timing and ``tools/replay.py`` can
+    decode it again. False: the engine's own randomness (for a server whose per-request
+    seeds cost decode speed)."""
     keep_stop_text: bool = False
     """Whether the reward's text keeps the stop string, cut right after it, or not (the
     default), cut right before it: vLLM's ``include_stop_str_in_output``, sglang's
@@ -47,9 +52,9 @@ class SamplingConfig:
 
     def spec(self, seed: int | None = None) -> SamplingSpec:
         """The buffer's sampling for every lease; ``seed``, the run's, from which the
-        buffer derives each sample's own (None: unseeded draws)."""
+        buffer derives each sample's own (None, or ``seeded`` off: unseeded draws)."""
         return SamplingSpec(
-            seed=seed,
+            seed=seed if self.seeded else None,
             max_new_tokens=self.max_new_tokens,
             temperature=self.temperature,
             top_p=self.top_p,

@@ -233,10 +233,12 @@ def test_the_policy_loss_computes_the_watched_entropy_without_changing_gradients
 
 def test_the_guards_entropy_is_token_entropy_a_chunk_at_a_time():
     logits = torch.randn(2, 37, 11) * 3
+    mask = (torch.rand(2, 37) > 0.3).float()
+    mask[:, 0] = 0
     for chunk in (1, 8, 36, 512):
-        chunked = entropy_for_the_guard(logits, 0.7, chunk)
-        assert torch.allclose(chunked, token_entropy(logits, 0.7), atol=1e-6)
-    assert entropy_for_the_guard(logits[:, :1], 0.7).shape == (2, 1)
+        chunked = entropy_for_the_guard(logits, mask, 0.7, chunk)
+        assert torch.allclose(chunked, token_entropy(logits, 0.7) * mask, atol=1e-6)
+    assert entropy_for_the_guard(logits[:, :1], mask[:, :1], 0.7).shape == (2, 1)
 
 
 def samples(rewards: list[float], group: int = 4) -> list[Sample]:

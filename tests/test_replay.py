@@ -48,8 +48,8 @@ def test_a_replayed_run_ends_with_its_weights_bit_for_bit(tmp_path, tiny_model_d
     assert same["bitwise_equal"] is True and same["max_abs_weight_diff"] == 0.0
     assert same["samples_regenerated"] >= 20
     assert same["samples_equal"] == same["samples_regenerated"]
-    # From the step-3 checkpoint with one update per batch instead of two: other weights.
-    changed = _replay(run_dir, "--from-step", "3", "--regenerate", "0", "rl.update_epochs=1")
+    # From the step-3 checkpoint at another learning rate: other weights.
+    changed = _replay(run_dir, "--from-step", "3", "--regenerate", "0", "optim.lr=1e-3")
     assert changed["bitwise_equal"] is False and changed["max_abs_weight_diff"] > 0
 
 
@@ -59,4 +59,8 @@ def test_a_log_without_its_first_segments_is_refused(tmp_path):
     for n in (3, 4):
         (wal / f"{n:08d}.wal").write_bytes(b"")
     with pytest.raises(ReplayError, match="buffer.keep_wal=false"):
+        wal_segments(tmp_path)
+    for segment in wal.iterdir():
+        segment.unlink()
+    with pytest.raises(ReplayError, match="holds no log"):
         wal_segments(tmp_path)

@@ -175,21 +175,22 @@ def ppo_loss(
         per_token = per_token - cfg.entropy_coef * entropy
     if cfg.positive_nll_coef:
         per_token = per_token - cfg.positive_nll_coef * (advantages > 0).float() * logprobs
-    with torch.no_grad():
+    with torch.no_grad():  # over every loss token, dropped or not: the guard reads them
+        mask = loss_mask
+        behavior_weight = torch.exp(prox - behavior_logprobs).clamp(max=cfg.iw_cap)
         metrics = {
-            "train/clip_fraction": ((ratio * advantages > clipped * advantages) * keep).sum(),
-            "train/importance_weight": (weight * keep).sum(),
-            "train/importance_weight_capped": ((weight >= cfg.iw_cap).float() * keep).sum(),
-            "train/approx_kl_proximal": ((prox - logprobs) * keep).sum(),
+            "train/clip_fraction": ((ratio * advantages > clipped * advantages) * mask).sum(),
+            "train/importance_weight": (behavior_weight * mask).sum(),
+            "train/importance_weight_capped": ((behavior_weight >= cfg.iw_cap) * mask).sum(),
+            "train/approx_kl_proximal": ((prox - logprobs) * mask).sum(),
         }
         if cfg.is_correction != "truncate":
             metrics["train/is_masked_fraction"] = (loss_mask - keep).sum()
         if entropy is not None:
-            metrics["train/entropy"] = (entropy * keep).sum()
+            metrics["train/entropy"] = (entropy * mask).sum()
         if ref_logprobs is not None:
-            metrics["train/kl_reference"] = (
-                kl_estimate(logprobs, ref_logprobs, cfg.kl_estimator) * keep
-            ).sum()
+            kl = kl_estimate(logprobs, ref_logprobs, cfg.kl_estimator)
+            metrics["train/kl_reference"] = (kl * mask).sum()
     return (per_token * keep).sum(), metrics
 
 

@@ -54,16 +54,15 @@ def sample(
         top_p = torch.tensor([p.top_p for p in params], device=device)
         if bool((top_k > 0).any() or (top_p < 1.0).any()):
             scaled = _truncate(scaled, top_k, top_p)
-        seeded = torch.tensor([p.seed is not None for p in params], device=device)
+        seeded = [b for b, p in enumerate(params) if p.seed is not None]
         drawn = tokens.clone()
-        if not bool(seeded.all()):  # Gumbel-max over one draw for the unseeded rows
+        if len(seeded) < len(params):  # Gumbel-max over one draw for the unseeded rows
             uniform = torch.rand(logits.shape, device=device)
             gumbel = -torch.log(-torch.log(uniform.clamp_(1e-20, 1.0 - 1e-7)))
-            drawn = torch.where(seeded, drawn, (scaled + gumbel).argmax(-1))
-        if bool(seeded.any()):
-            rows = [b for b, p in enumerate(params) if p.seed is not None]
-            u = uniform_at([params[b].seed for b in rows], [positions[b] for b in rows])
-            drawn[rows] = _invert_cdf(scaled[rows], u.to(device))
+            drawn = (scaled + gumbel).argmax(-1)
+        if seeded:
+            u = uniform_at([params[b].seed for b in seeded], [positions[b] for b in seeded])
+            drawn[seeded] = _invert_cdf(scaled[seeded], u.to(device))
         tokens = torch.where(greedy, tokens, drawn)
     chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
     return tokens.tolist(), chosen.tolist()

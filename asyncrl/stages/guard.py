@@ -1,6 +1,6 @@
 """The collapse guard of the RL stage: each step's statistics (policy entropy, reward,
 gradient norm, clip fraction, importance weight) judged against their own running
-history, and an action when one is out of line (issue #25, part 5).
+history, and an action when one is out of line.
 
 Who talks to it. ``asyncrl.stages.rl``'s loop calls ``Guard.start_step`` with the batch
 before the update and ``Guard.end_step`` after it, before the weights are published. The
@@ -61,24 +61,24 @@ least absolute deviation that counts, and a ratio to the level in place of
 ``GuardConfig.min_ratio`` (0: that one). The fractions and weights are bounded quantities
 that sit near a constant (clip fraction 0 when the first update's own forward is the
 proximal policy): without a least deviation, a blip over a level of variance zero would
-count. Gradient norms are heavy-tailed: 2.5× the level (6.6σ) came in a healthy
-tiny_grpo run (lr 1e-3, step 47), hence 3×."""
+count. Gradient norms are heavy-tailed (2.5× the level occurs in healthy runs), hence 3×."""
 
 
 def entropy_for_the_guard(
-    logits: torch.Tensor, temperature: float, chunk: int = 512
+    logits: torch.Tensor, loss_mask: torch.Tensor, temperature: float, chunk: int = 512
 ) -> torch.Tensor:
-    """``token_entropy``'s values ``[rows, T]`` with no grad, ``chunk`` positions at a time:
-    the float32 softmax of a 150k-token vocabulary over a whole micro-batch at once would
-    take gigabytes, for a metric alone."""
-    rows, length = logits.shape[:2]
-    parts = [logits.new_zeros(rows, 1, dtype=torch.float32)]  # t = 0: nothing before it
+    """``token_entropy``'s values ``[rows, T]`` at the loss positions (0 elsewhere), with no
+    grad, ``chunk`` positions at a time: the float32 softmax of a 150k-token vocabulary
+    over a whole micro-batch at once would take gigabytes, for a metric alone."""
+    out = torch.zeros(loss_mask.shape, dtype=torch.float32, device=logits.device)
+    # Token t's distribution is the logits at t − 1; t = 0 has none (and is no loss token).
+    rows, cols = torch.nonzero(loss_mask[:, 1:] > 0, as_tuple=True)
     with torch.no_grad():
-        for start in range(0, length - 1, chunk):
-            piece = logits[:, start : min(start + chunk, length - 1)].float() / temperature
-            logp = torch.log_softmax(piece, dim=-1)
-            parts.append(-(logp.exp() * logp).sum(-1))
-    return torch.cat(parts, dim=1)
+        for start in range(0, rows.numel(), chunk):
+            r, c = rows[start : start + chunk], cols[start : start + chunk]
+            logp = torch.log_softmax(logits[r, c].float() / temperature, dim=-1)
+            out[r, c + 1] = -(logp.exp() * logp).sum(-1)
+    return out
 
 
 class GuardError(RuntimeError):
@@ -138,6 +138,8 @@ class GuardConfig:
             "z_threshold": self.z_threshold > 0,
             "min_ratio": self.min_ratio >= 1,
             "max_actions": self.max_actions >= 1,
+            "warmup_steps": self.warmup_steps >= 1,
+            "entropy_floor": self.entropy_floor >= 0,
             "checkpoint_every": self.checkpoint_every >= 1,
         }
         bad = [key for key, ok in bounds.items() if not ok]
@@ -367,7 +369,14 @@ class Guard:
 
     def state_dict(self) -> dict:
         """What a trainer checkpoint keeps of the guard (a restart resumes its history)."""
-        return {"monitor": self.monitor.state_dict(), "counts": self.counts, "lr": self.lr_scale}
+        return {
+            "monitor": self.monitor.state_dict(),
+            "counts": self.counts,
+            "lr": self.lr_scale,
+            "quiet_until": self.quiet_until,
+            "since_saved": self.since_saved,
+            "skips_in_a_row": self.skips_in_a_row,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from a trainer checkpoint (loaded into the core already, at the config's
@@ -375,6 +384,9 @@ class Guard:
         self.monitor.load_state_dict(state.get("monitor", {}))
         self.counts.update(state.get("counts", {}))
         self.lr_scale = state.get("lr", 1.0)
+        self.quiet_until = state.get("quiet_until", 0)
+        self.since_saved = state.get("since_saved")
+        self.skips_in_a_row = state.get("skips_in_a_row", 0)
         if self.lr_scale != 1.0:
             scale_learning_rate(self.core, self.lr_scale)
 

@@ -47,7 +47,12 @@ def wal_segments(run_dir: Path) -> list[Path]:
     wal_dir = run_dir / "buffer_wal"
     segments = sorted(p for p in wal_dir.glob("*.wal") if p.stem.isdigit())
     numbers = [int(p.stem) for p in segments]
-    if not numbers or numbers != list(range(len(numbers))):
+    if not numbers:
+        raise ReplayError(
+            f"{wal_dir} holds no log: the run's buffer kept none (buffer.checkpoint_s=0, or "
+            "placement=colocated, which has no buffer process)"
+        )
+    if numbers != list(range(len(numbers))):
         first = numbers[0] if numbers else None
         raise ReplayError(
             f"{wal_dir} holds segments {numbers[:3]}{'…' if len(numbers) > 3 else ''}, not "
@@ -58,24 +63,27 @@ def wal_segments(run_dir: Path) -> list[Path]:
 
 
 class RecordedRun:
-    """The batches a run's trainer ranks were served, rebuilt from the buffer's log; a
-    ``BatchSource`` that answers each request with them. A step served twice (a trainer
-    restarted from a checkpoint is served its batches again) keeps its last answer."""
+    """The batches a run's trainer rank ``rank`` was served (all ranks': None), rebuilt
+    from the buffer's log; a ``BatchSource`` that answers each request with them. A step
+    served twice (a trainer restarted from a checkpoint is served its batches again)
+    keeps its last answer."""
 
-    def __init__(self, run_dir: str | Path, rank: int = 0) -> None:
+    def __init__(self, run_dir: str | Path, rank: int | None = None) -> None:
         self.run_dir, self.rank = Path(run_dir), rank
         cfg = load_json(self.run_dir / "config.json").rollout()
         prompts = TaskPrompts(build_task(cfg.task), cfg.model.path, cfg.seed)
         buffer = RolloutBuffer(cfg.buffer, cfg.run_id, prompts, cfg.sampling.spec(cfg.seed))
         journal = Journal(buffer)
         self.batches: dict[tuple[int, int], list[Sample]] = {}
+        self.world_sizes: dict[int, int] = {}  # step -> the trainer's rank count
         for event in self._events():
-            if isinstance(event, Batched):
-                samples = journal.batch(event.step, event.rank, event.world_size)
-                if samples is not None:
-                    self.batches[(event.step, event.rank)] = samples
-            else:
+            if not isinstance(event, Batched):
                 journal.apply(event)
+                continue
+            samples = journal.batch(event.step, event.rank, event.world_size)
+            if samples is not None and rank in (None, event.rank):
+                self.batches[(event.step, event.rank)] = samples
+                self.world_sizes[event.step] = event.world_size
         self.run_id = cfg.run_id
 
     def _events(self) -> Iterator:
@@ -98,6 +106,11 @@ class RecordedRun:
         samples = self.batches.get((step, self.rank))
         if samples is None:
             raise ReplayError(f"the log served step {step} to rank {self.rank} no batch")
+        if self.world_sizes[step] != world_size:
+            raise ReplayError(
+                f"step {step} was trained by {self.world_sizes[step]} ranks, the replay has "
+                f"{world_size}: replay with trainer.num_ranks={self.world_sizes[step]}"
+            )
         return Batch(run_id=self.run_id, step=step, rank=self.rank, samples=samples)
 
     def announce_version(self, version: int, resumed: bool = False) -> None:
@@ -162,6 +175,10 @@ def regenerate(
     from asyncrl.engine.embedded import EmbeddedEngine  # the tool's side only
 
     cfg = load_json(run_dir / "config.json")
+    why_not = not_regenerable(cfg)
+    if why_not:
+        print(f"[replay] samples not decoded again: {why_not}")
+        return Regenerated()
     by_version: dict[int, list[tuple[int, Sample]]] = {}
     for s in samples:
         found = single_version(s)
@@ -179,6 +196,8 @@ def regenerate(
             todo = by_version[version][:share]
             for k, (start, s) in enumerate(todo):
                 seed = derive_seed(cfg.seed, s.group_id, s.sample_index)
+                if cfg.engine.backend == "remote":  # the front's, keyed by the attempt
+                    seed = derive_seed(seed, start)
                 params = sampling_params(spec, spec.max_new_tokens, seed)
                 engine.submit(_request(str(k), s.token_ids[:start], params))
             produced = _drain(engine)
@@ -192,6 +211,18 @@ def regenerate(
     finally:
         engine.close()
     return out
+
+
+def not_regenerable(cfg) -> str:
+    """Why the run's samples cannot be decoded again by the embedded engine, or ""."""
+    if not cfg.sampling.seeded:
+        return "the run sampled unseeded (sampling.seeded=false)"
+    if cfg.task.environment:
+        return "episodes: their turns' budgets and observations are the environment's"
+    remote = cfg.engine.remote
+    if cfg.engine.backend == "remote" and remote.server != "embedded":
+        return f"the run sampled on {remote.server} servers, with their own sampler"
+    return ""
 
 
 def _request(request_id: str, prompt: list[int], params):

@@ -239,7 +239,7 @@ def policy_loss(cfg, temperature: float) -> PolicyLoss:
         proximal = logp.detach() if proximal is None else proximal.to(logp.device)
         entropy = token_entropy(logits, temperature) if cfg.rl.loss.entropy_coef else None
         if entropy is None and cfg.rl.guard.watches_entropy:  # the metric alone: no grad
-            entropy = entropy_for_the_guard(logits, temperature)
+            entropy = entropy_for_the_guard(logits, mb.loss_mask, temperature)
         loss_sum, metrics = ppo_loss(
             logp,
             proximal,
