@@ -102,9 +102,22 @@ def greedy_generate(
         stop=list(stop),
         stop_token_ids=list(stop_token_ids),
     )
-    for i, prompt in enumerate(prompts):
-        engine.submit(Request(f"eval-{i}", list(prompt), params))
-    tokens: dict[str, list[int]] = {f"eval-{i}": [] for i in range(len(prompts))}
+    requests = [Request(f"eval-{i}", list(p), params) for i, p in enumerate(prompts)]
+    tokens, reasons = decode_all(engine, requests)
+    for ids, reason in zip(tokens, reasons):
+        if reason == "eos":
+            ids.pop()
+    return tokens, reasons
+
+
+def decode_all(
+    engine: EmbeddedEngine, requests: Sequence[Request]
+) -> tuple[list[list[int]], list[str]]:
+    """Submit ``requests`` and step ``engine`` until each has finished; each one's
+    generated token ids (a final EOS included) and finish reason, in request order."""
+    for request in requests:
+        engine.submit(request)
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
     reasons: dict[str, str] = {}
     while len(reasons) < len(tokens):
         out = engine.step()
@@ -112,10 +125,7 @@ def greedy_generate(
             tokens[t.request_id].append(t.token_id)
         for f in out.finished:
             reasons[f.request_id] = f.reason
-            if f.reason == "eos":
-                tokens[f.request_id].pop()
-    ids = [f"eval-{i}" for i in range(len(prompts))]
-    return [tokens[i] for i in ids], [reasons[i] for i in ids]
+    return [tokens[r.request_id] for r in requests], [reasons[r.request_id] for r in requests]
 
 
 def greedy_accuracy(

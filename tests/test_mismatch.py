@@ -14,8 +14,9 @@ import torch
 
 from asyncrl.report import report
 from asyncrl.stages.rl import RLExperiment
-from asyncrl.stages.rl_batch import max_over_ranks, mismatch_scalars, rl_micro_batches
+from asyncrl.stages.rl_batch import mismatch_scalars, rl_micro_batches
 from asyncrl.trainer.config import TrainerConfig
+from asyncrl.trainer.dist import all_reduce_max
 from asyncrl.trainer.packing import MicroBatch
 from asyncrl.wire import Sample
 
@@ -67,9 +68,9 @@ def test_mismatch_of_hand_built_micro_batches():
     assert mismatch_scalars([], [], 3, CPU) == {"mismatch/tokens": 0.0}
 
 
-def test_max_over_ranks_keeps_the_value():
+def test_the_max_over_ranks_keeps_a_float_exactly():
     for value in (0.0, 3.1e-7, 0.5, 2.75, 1e30):
-        assert max_over_ranks(value, CPU) == value
+        assert all_reduce_max(value, CPU) == value
 
 
 def _samples(groups: int, size: int, seed: int = 0) -> list[Sample]:

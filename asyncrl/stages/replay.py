@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from asyncrl.buffer.core import RolloutBuffer
 from asyncrl.buffer.wal import Batched, Journal, read_events
 from asyncrl.config import load_json
+from asyncrl.engine.base import Request
 from asyncrl.rollout import TaskPrompts, sampling_params
 from asyncrl.seeds import derive_seed
 from asyncrl.stages.common import stage_main
@@ -173,6 +174,7 @@ def regenerate(
     checkpoint directory, or None for the starting model (versions not in it were not
     kept); counts those whose tokens all match."""
     from asyncrl.engine.embedded import EmbeddedEngine  # the tool's side only
+    from asyncrl.evaluation import decode_all
 
     cfg = load_json(run_dir / "config.json")
     why_not = not_regenerable(cfg)
@@ -194,17 +196,18 @@ def regenerate(
                 engine.stage_weights(checkpoint_weights(weights[version]), version, wait=True)
             share = (limit - out.checked) // (len(kept) - n)  # spread over the versions kept
             todo = by_version[version][:share]
+            requests = []
             for k, (start, s) in enumerate(todo):
                 seed = derive_seed(cfg.seed, s.group_id, s.sample_index)
                 if cfg.engine.backend == "remote":  # the front's, keyed by the attempt
                     seed = derive_seed(seed, start)
                 params = sampling_params(spec, spec.max_new_tokens, seed)
-                engine.submit(_request(str(k), s.token_ids[:start], params))
-            produced = _drain(engine)
-            for k, (start, s) in enumerate(todo):
+                requests.append(Request(str(k), s.token_ids[:start], params))
+            produced, _ = decode_all(engine, requests)
+            for (start, s), tokens in zip(todo, produced):
                 out.checked += 1
                 out.versions[version] = out.versions.get(version, 0) + 1
-                if produced.get(str(k)) == s.token_ids[start:]:
+                if tokens == s.token_ids[start:]:
                     out.equal += 1
                 elif len(out.mismatches) < 5:
                     out.mismatches.append(f"group {s.group_id} sample {s.sample_index} v{version}")
@@ -223,21 +226,6 @@ def not_regenerable(cfg) -> str:
     if cfg.engine.backend == "remote" and remote.server != "embedded":
         return f"the run sampled on {remote.server} servers, with their own sampler"
     return ""
-
-
-def _request(request_id: str, prompt: list[int], params):
-    from asyncrl.engine.base import Request
-
-    return Request(request_id, prompt, params)
-
-
-def _drain(engine) -> dict[str, list[int]]:
-    tokens: dict[str, list[int]] = {}
-    while not engine.idle:
-        out = engine.step()
-        for t in out.tokens:
-            tokens.setdefault(t.request_id, []).append(t.token_id)
-    return tokens
 
 
 def main(argv: list[str] | None = None) -> None:

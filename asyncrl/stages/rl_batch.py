@@ -14,7 +14,6 @@ Nothing here writes into a micro-batch but the preparation steps named for it
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -327,7 +326,7 @@ def mismatch_scalars(
         count += diff.numel()
         top = max(top, diff.max().item()) if diff.numel() else top
     abs_sum, kl_sum, count = all_reduce_sum([abs_sum, kl_sum, count], device)
-    top = max_over_ranks(top, device)
+    top = all_reduce_max(top, device)
     if not count:
         return {"mismatch/tokens": 0.0}
     return {
@@ -336,11 +335,3 @@ def mismatch_scalars(
         "mismatch/kl": kl_sum / count,
         "mismatch/tokens": count,
     }
-
-
-def max_over_ranks(value: float, device: torch.device) -> float:
-    """The largest of every rank's ``value`` (≥ 0), through ``all_reduce_max`` over
-    integers: the IEEE-754 bits of non-negative doubles, read as an int64, order as the
-    doubles do."""
-    bits = struct.unpack("<q", struct.pack("<d", value))[0]
-    return struct.unpack("<d", struct.pack("<q", all_reduce_max(bits, device)))[0]

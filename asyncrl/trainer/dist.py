@@ -72,8 +72,10 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
-def all_reduce_max(value: int, device: torch.device) -> int:
-    t = torch.tensor([value], dtype=torch.int64, device=device)
+def all_reduce_max(value: int | float, device: torch.device) -> int | float:
+    """The largest of every rank's ``value``, of its type (an int stays exact)."""
+    dtype = torch.float64 if isinstance(value, float) else torch.int64
+    t = torch.tensor([value], dtype=dtype, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+    return t.item()
