@@ -2,7 +2,7 @@
 
     python launch/slurm.py experiments/NAME.py --gen-nodes N --train-nodes M
         [--nodes K] [--partition P] [--time T] [--account A] [--gpus-per-node G]
-        [--cpus-per-task C] [--dry-run] [key.sub=value ...]
+        [--cpus-per-task C] [--stall-timeout-s S] [--dry-run] [key.sub=value ...]
 
 The same experiment files and overrides as ``launch/local.py``, resolved the same way
 (``asyncrl.launcher.prepare``): the config is saved as ``RUN_DIR/config.json``, then the
@@ -10,7 +10,9 @@ experiment's ``processes()`` become the ``srun`` steps of an sbatch script,
 ``RUN_DIR/slurm_job.sbatch`` (``asyncrl.launcher.sbatch`` places them on nodes), which
 is submitted; the job id and the run directory are printed, and the job's output goes to
 ``RUN_DIR/slurm-JOBID.out``. ``--dry-run`` writes the run directory and prints the
-script but submits nothing (``sbatch RUN_DIR/slurm_job.sbatch`` submits it later).
+script but submits nothing (``sbatch RUN_DIR/slurm_job.sbatch`` submits it later). The
+job repairs itself as the local launcher does: a dead generator, buffer or trainer step
+(all its ranks) is restarted, and a generator stalled for ``--stall-timeout-s`` too.
 
 The run directory must be on a filesystem every node sees: the processes find each other
 through the endpoint files in it. A job spanning several nodes therefore talks TCP on
@@ -32,6 +34,7 @@ from pathlib import Path
 from asyncrl.config import ConfigError
 from asyncrl.launcher.prepare import Prepared, prepare, stage_chain
 from asyncrl.launcher.sbatch import LayoutError, SlurmOptions, sbatch_script
+from asyncrl.launcher.supervise import add_stall_option
 
 SCRIPT_NAME = "slurm_job.sbatch"
 
@@ -64,6 +67,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, SlurmOptions
         default=0,
         help="CPUs the job holds per node (one task per node); default: whole nodes",
     )
+    add_stall_option(parser)
     parser.add_argument("--dry-run", action="store_true", help="print the script; submit nothing")
     args = parser.parse_intermixed_args(argv)
     opts = SlurmOptions(
@@ -75,6 +79,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, SlurmOptions
         args.account,
         args.gpus_per_node,
         args.cpus_per_task,
+        args.stall_timeout_s,
     )
     return args, opts
 
@@ -105,6 +110,7 @@ def init_options(cfg, opts: SlurmOptions) -> SlurmOptions:
         opts.account,
         opts.gpus_per_node,
         opts.cpus_per_task,
+        opts.stall_timeout_s,
     )
 
 

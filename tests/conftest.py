@@ -21,12 +21,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def launch(experiment: str, *overrides: str, timeout: float = 300) -> str:
-    """``launch/local.py experiments/EXPERIMENT overrides`` to its end; its output, after
-    asserting it succeeded (the tail of both streams if not)."""
+    """``launch/local.py experiments/EXPERIMENT overrides`` to its end; its output (stdout,
+    then stderr: the launcher's ``[launch]`` lines), after asserting it succeeded (the
+    tail of both streams if not)."""
     cmd = [sys.executable, "launch/local.py", f"experiments/{experiment}", *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return proc.stdout
+    return proc.stdout + proc.stderr
 
 
 # Smaller than the demo's model so tests stay fast; same architecture and code path.

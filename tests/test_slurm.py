@@ -4,8 +4,10 @@ Without Slurm: the supervisor restarts, reports and stops real processes; the sb
 script of a dry run places steps on the right node lists; bad layouts are refused.
 With Slurm (marker ``slurm``; ``tools/slurm_cluster.sh start`` boots a one-node cluster,
 ``.ci/run`` does it for CI): the script's node placement as bash resolves it, a real
-submitted tiny GRPO run that trains and ends cleanly, and a run whose generator is killed
-(restarted) and which ``scancel`` then stops with every process gone.
+submitted tiny GRPO run that trains and ends cleanly, a run whose generator is frozen
+(found stalled, restarted) and which ``scancel`` then stops with every process gone, and a chaos run
+(``tools/chaos.py --launcher slurm``) whose generator, buffer and trainer are killed and
+restarted with nothing lost or counted twice.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -27,10 +30,12 @@ from types import SimpleNamespace
 import pytest
 
 from asyncrl.launcher.prepare import Prepared
-from asyncrl.launcher.sbatch import LayoutError, SlurmOptions, process_steps
+from asyncrl.launcher.sbatch import LayoutError, SlurmOptions, process_steps, step_policy
+from asyncrl.launcher.slurm_job import parse_policy, parse_steps
 from asyncrl.launcher.supervise import Supervised, supervise
 from asyncrl.metrics import read_metrics
 from asyncrl.stages.common import ProcessSpec
+from tests.test_chaos import CHAOS_RUN, assert_repaired_and_balanced, launcher_output, run_chaos
 
 ROOT = Path(__file__).resolve().parents[1]
 # A short asynchronous run of the tiny model, as tests/test_rl_launch.py runs it locally.
@@ -179,17 +184,18 @@ def test_dry_run_places_steps_on_generator_and_trainer_nodes(tmp_path):
         assert words[2] == "srun"
         assert {"--nodes=1", "--ntasks=1", f"--nodelist={node}", "--exact"} <= set(words)
         module = "asyncrl.buffer.server" if name == "buffer" else "asyncrl.generator.worker"
-        assert words[words.index("-m") + 1 :][:3] == [
-            module,
-            "--config",
-            str(run_dir / "rollout.json"),
-        ]
-    assert steps["buffer"][1] == "once" and "--overlap" in steps["buffer"]
-    assert steps["generator_1"][1] == "restart" and "--gpus-per-task=1" in steps["generator_1"]
+        # The task writes its own pid file, then becomes the process (srun's pid is not it).
+        command = words[words.index("-m") + 1 :]
+        assert command[:2] == ["asyncrl.launcher.pidfile", str(run_dir / "pids" / f"{name}.pid")]
+        assert command[3:7] == ["-m", module, "--config", str(run_dir / "rollout.json")]
+    # The buffer is restarted alone from its saved state, as the local launcher does it.
+    assert steps["buffer"][1] == "group=buffer,max_restarts=5" and "--overlap" in steps["buffer"]
+    assert steps["generator_1"][1] == "restart,max_restarts=20"
+    assert "--gpus-per-task=1" in steps["generator_1"]
     assert steps["generator_1"][-2:] == ["--worker-id", "g1"]
     assert "--export=ALL,OMP_NUM_THREADS=1" in steps["generator_0"]
     trainer = steps["trainer"]
-    assert trainer[1] == "final"
+    assert trainer[1] == "final,group=trainer,max_restarts=5"
     assert {
         "--nodes=2",
         "--ntasks-per-node=1",
@@ -207,6 +213,10 @@ def test_dry_run_places_steps_on_generator_and_trainer_nodes(tmp_path):
         "--rdzv-id=$SLURM_JOB_ID",
     } <= set(torchrun)
     assert torchrun[-3:] == ["asyncrl.stages.rl", "--config", str(run_dir / "config.json")]
+    pid_file = str(run_dir / "pids" / "trainer_{rank}.pid")
+    wrapper = ["-m", "asyncrl.launcher.pidfile", shlex.quote(pid_file)]
+    assert torchrun[torchrun.index("-m") :][:3] == wrapper
+    assert "--stall-timeout-s 60" in script
     # Processes on different nodes meet over TCP on every interface, through the run directory.
     config = json.loads((run_dir / "config.json").read_text())
     assert config["transport"]["scheme"] == "tcp" and config["transport"]["host"] == "*"
@@ -236,7 +246,8 @@ def _stage(ranks: int, generators: int) -> Prepared:
         for i in range(generators)
     ]
     specs += [ProcessSpec(f"trainer_{r}", "asyncrl.stages.rl", [], rank=r) for r in range(ranks)]
-    cfg = SimpleNamespace(trainer=SimpleNamespace(threads_per_rank=1))  # all the steps read of it
+    # All the steps read of it.
+    cfg = SimpleNamespace(run_dir="run", trainer=SimpleNamespace(threads_per_rank=1))
     return Prepared(cfg=cfg, config_path=Path("config.json"), processes=specs)
 
 
@@ -258,6 +269,64 @@ def test_layouts_that_cannot_place_the_processes_are_refused(ranks, generators, 
         len(process_steps(_stage(2, 1), SlurmOptions(1, 1, nodes=1, cpus_per_task=3), "python"))
         == 3
     )
+
+
+@pytest.mark.parametrize(
+    "spec, final, word, options",
+    [
+        (
+            ProcessSpec("buffer", "m", [], group="buffer", max_restarts=5),
+            False,
+            "group=buffer,max_restarts=5",
+            {"group": "buffer", "max_restarts": 5},
+        ),
+        (
+            ProcessSpec("generator_0", "m", [], restartable=True),
+            False,
+            "restart,max_restarts=20",
+            {"restartable": True, "max_restarts": 20},
+        ),
+        (
+            ProcessSpec("trainer_0", "m", [], rank=0, group="trainer", max_restarts=5),
+            True,
+            "final,group=trainer,max_restarts=5",
+            {"final": True, "group": "trainer", "max_restarts": 5},
+        ),
+        (ProcessSpec("reward", "m", []), False, "once", {}),
+    ],
+)
+def test_a_step_line_carries_its_restart_group_and_budget(spec, final, word, options):
+    """What the script writes is what the job's supervisor builds its steps from."""
+    assert step_policy(spec, final) == word
+    assert parse_policy(word) == options
+    assert parse_steps(f"{spec.name} {word} srun python -m {spec.module}") == [
+        (spec.name, options, ["srun", "python", "-m", spec.module])
+    ]
+
+
+def test_a_bad_step_line_is_refused():
+    with pytest.raises(ValueError, match="unknown step option 'restrat'"):
+        parse_steps("generator_0 restrat srun python")
+    with pytest.raises(ValueError, match="unknown step option 'max_restarts=many'"):
+        parse_steps("buffer group=buffer,max_restarts=many srun python")
+    with pytest.raises(ValueError, match="no command"):
+        parse_steps("buffer once")
+
+
+def test_a_task_names_itself_in_its_pid_file_then_becomes_the_process(tmp_path):
+    """A step's command as the script writes it: the pid in the file is the process's
+    own, after exec (a trainer rank's file is named by its RANK)."""
+    pid_file = tmp_path / "pids" / "trainer_{rank}.pid"
+    command = [sys.executable, "-c", "import os; print(os.getpid())"]
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl.launcher.pidfile", str(pid_file), *command],
+        cwd=ROOT,
+        env=dict(os.environ, RANK="3"),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert (tmp_path / "pids" / "trainer_3.pid").read_text() == out
 
 
 # ---- with a Slurm cluster ------------------------------------------------------------
@@ -432,10 +501,13 @@ def test_submitted_tiny_grpo_trains_and_ends_cleanly(tmp_path, tiny_model_dir, s
 
 
 @pytest.mark.slurm
-def test_killed_generator_restarts_and_scancel_stops_everything(
+def test_frozen_generator_restarts_and_scancel_stops_everything(
     tmp_path, tiny_model_dir, slurm_cluster
 ):
-    job, run_dir = submit(tmp_path, tiny_model_dir, "rl.max_steps=100000")
+    """A generator frozen with SIGSTOP (its pid from the file its task wrote) is found
+    stalled by the job's supervisor, killed through its step and restarted; ``scancel``
+    then stops the job with every process gone."""
+    job, run_dir = submit(tmp_path, tiny_model_dir, "rl.max_steps=100000", "--stall-timeout-s", "5")
     try:
         wait_for(lambda: trained_steps(run_dir), 120, "a trained step")
 
@@ -446,14 +518,17 @@ def test_killed_generator_restarts_and_scancel_stops_everything(
                 if "asyncrl.generator.worker" in cmd and not cmd.startswith("srun")
             ]
 
-        (first,) = generators()
-        os.kill(first, signal.SIGKILL)
+        first = int((run_dir / "pids" / "generator_0.pid").read_text())
+        assert generators() == [first]  # the process itself, not srun
+        os.kill(first, signal.SIGSTOP)
         wait_for(
-            lambda: "generator_0 exited with code 137; restart 1" in job_output(run_dir, job),
+            lambda: "generator_0 exited with code -9; restart 1" in job_output(run_dir, job),
             60,
             "the restart",
         )
+        assert re.search(r"\[launch\] generator_0 stalled for \d+ s", job_output(run_dir, job))
         wait_for(lambda: [p for p in generators() if p != first], 60, "the restarted generator")
+        assert not Path(f"/proc/{first}").exists()
     finally:
         subprocess.run(["scancel", job], check=True)
     wait_for(lambda: job_gone(job), 60, f"job {job} to stop")
@@ -464,3 +539,100 @@ def test_killed_generator_restarts_and_scancel_stops_everything(
     assert (run_dir / "buffer_counters.json").exists()  # the buffer stopped on SIGTERM, not SIGKILL
     wait_for(lambda: processes_of(run_dir) == [], 10, "every process to exit")
     assert subprocess.run(["squeue", "-h"], capture_output=True, text=True).stdout.strip() == ""
+
+
+@pytest.mark.slurm
+def test_a_slurm_job_repairs_killed_generator_buffer_and_trainer_losing_nothing(
+    tmp_path, tiny_model_dir, slurm_cluster
+):
+    """tests/test_chaos.py's run as a one-node job: a generator, the buffer and a trainer
+    rank SIGKILLed by the pids their tasks wrote (not srun's); the job's supervisor
+    restarts the generator step, the buffer step (from its state) and the whole trainer
+    step (from its checkpoint); the job exits 0 and the books balance."""
+    chaos_args = [
+        *["--launcher", "slurm", "--experiment", "experiments/tiny_grpo.py"],
+        # 40 s calm: a restarted trainer step takes ~20 s to its first step on a busy machine.
+        *["--minutes", "1.25", "--calm-s", "40", "--generator-kills", "1"],
+        *["--trainer-kills", "1", "--buffer-kills", "1", "--generator-gap", "6"],
+        *["--other-gap", "8", "--checkpoint-every", "3", "--target", "0", "--seed", "1"],
+    ]
+    run_dir = tmp_path / "chaos"
+    overrides = [f"model.path={tiny_model_dir}", *CHAOS_RUN]
+    figures, context = run_chaos(run_dir, chaos_args, overrides)
+    assert_repaired_and_balanced(figures, context, {"buffer": 1, "generator": 1, "trainer": 1})
+    output = launcher_output(run_dir)
+    for step in ("generator_0", "buffer", "trainer"):
+        assert re.search(rf"\[launch\] {step} exited with code \d+; restart 1 of {step}", output)
+    wait_for(lambda: processes_of(run_dir) == [], 30, "every process to exit")
+
+
+# ---- GPUs (no Slurm: a stand-in scontrol resolves the node list) -----------------------
+GPU_RUN = [
+    "trainer.num_ranks=2",
+    "num_generators=2",
+    "engine.backend=remote",
+    "engine.remote.server=sglang",
+    "engine.remote.tp_size=2",
+]
+
+
+def resolved_steps(script: Path, tmp_path: Path, nodes: list[str]) -> dict[str, list[str]]:
+    """The steps as bash resolves ``script`` on an allocation of ``nodes``, printed by the
+    job's supervisor instead of started (``ASYNCRL_PRINT_STEPS``)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text("#!/bin/sh\nprintf '%s\\n' " + " ".join(nodes) + "\n")
+    scontrol.chmod(0o755)
+    env = dict(
+        os.environ,
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        SLURM_JOB_NODELIST=",".join(nodes),
+        SLURM_JOB_ID="7",
+        ASYNCRL_PRINT_STEPS="1",
+    )
+    out = subprocess.run(
+        ["bash", str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return {s["name"]: s["argv"] for s in json.loads(out.stdout[out.stdout.index("[\n") :])}
+
+
+def test_a_gpu_job_gives_each_step_its_gpus_and_servers_their_tensor_parallel_width(
+    tmp_path, capsys
+):
+    """8 GPUs a node, one generator node and one trainer node: each generator's step holds
+    the GPUs of its tp=2 sglang server, the trainer's torchrun one per rank, the buffer none."""
+    run_dir = tmp_path / "run"
+    script, _ = dry_run_here(
+        capsys,
+        *("--gen-nodes", "1", "--train-nodes", "1", "--gpus-per-node", "8"),
+        f"run_dir={run_dir}",
+        f"model.path={tmp_path}",
+        *GPU_RUN,
+    )
+    assert "#SBATCH --gpus-per-node=8" in script.splitlines()
+    steps = resolved_steps(run_dir / "slurm_job.sbatch", tmp_path, ["g1", "t1"])
+    for name in ("generator_0", "generator_1"):
+        assert {"--nodelist=g1", "--exact", "--gpus-per-task=2"} <= set(steps[name])
+    assert {"--nodelist=g1", "--overlap", "--gres=none"} <= set(steps["buffer"])
+    assert {"--nodelist=t1", "--gpus-per-task=2", "--nproc-per-node=2"} <= set(steps["trainer"])
+    # Without --gpus-per-node the servers still need GPUs: the job asks for the busiest
+    # node's (two generators of 2 on the generator node).
+    script, _ = dry_run_here(
+        capsys,
+        *("--gen-nodes", "1", "--train-nodes", "1"),
+        f"run_dir={tmp_path / 'asked'}",
+        f"model.path={tmp_path}",
+        *GPU_RUN,
+    )
+    assert "#SBATCH --gpus-per-node=4" in script.splitlines()
+    # On one node of 4 GPUs, 2 × 2 for the servers and 2 for the ranks do not fit.
+    proc = dry_run(
+        *("--gen-nodes", "1", "--train-nodes", "1", "--nodes", "1", "--gpus-per-node", "4"),
+        f"run_dir={tmp_path / 'short'}",
+        f"model.path={tmp_path}",
+        *GPU_RUN,
+    )
+    assert proc.returncode == 2
+    assert "node 0 of the job needs 6 GPUs for its steps and --gpus-per-node is 4" in proc.stderr

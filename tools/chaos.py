@@ -3,10 +3,13 @@
     python tools/chaos.py [--experiment experiments/tiny_grpo.py] [--minutes 10] \
         [--generator-kills 12] [--trainer-kills 1] [--buffer-kills 1] [--seed 0] \
         [--target 0.5] [--checkpoint-every 10] [--calm-s 60] [--out runs/chaos/NAME] \
-        [--set KEY=VALUE ...]
+        [--launcher local|slurm] [--set KEY=VALUE ...]
 
 Starts ``launch/local.py EXPERIMENT run_dir=OUT time_limit_s=MINUTES*60
-trainer.checkpoint_every=K`` (its output in ``OUT/launch.log``), waits for the first
+trainer.checkpoint_every=K`` (its output in ``OUT/launch.log``) or, with ``--launcher
+slurm``, submits it with ``launch/slurm.py`` as a one-node job (its output in
+``OUT/slurm-JOB.out``; the node must be this machine: the kills go by pid, and each
+step's task writes its pid file as a local process does), waits for the first
 trainer step, then SIGKILLs on a schedule drawn from ``--seed``: generators (a random one
 each time) spread over the run at least ``--generator-gap`` s apart, and the trainer (one
 rank) and the buffer from a quarter of the way in, at least ``--other-gap`` s from each
@@ -15,10 +18,10 @@ the run has gone on past it before the time limit (a restart imports torch and l
 model: several seconds on a loaded 2-core machine). A kill takes the pid from
 ``OUT/pids/NAME.pid`` only after ``/proc`` shows that process alive and running this
 run's module (a stale pid file never kills anything else), and waits for the launcher to
-start a new one. When the launcher has exited, the figures come from the run directory
-(read by ``tools/chaos_books.py``):
+start a new one. When the launcher (or the job) has exited, the figures come from the run
+directory (read by ``tools/chaos_books.py``):
 
-    launcher_exit, restarts / kills          its exit code; restarts it logged per role
+    launcher_exit, restarts / kills          its (the job's) exit code; restarts it logged per role
     accounting_holds                         created = consumed + stale + filtered + failed
                                              + in flight (buffer_counters.json)
     lost, duplicated, lineage_samples        from the ledger's final lineage (the last line
@@ -49,6 +52,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -101,6 +105,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--calm-s", type=float, default=60.0, help="s at the end of the run with no kill"
     )
     p.add_argument("--out", default="", help="run directory (default runs/chaos/NAME-TIME)")
+    p.add_argument(
+        "--launcher",
+        choices=("local", "slurm"),
+        default="local",
+        help="run under launch/local.py, or as a one-node job of the Slurm cluster here",
+    )
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="experiment overrides")
     args = p.parse_args(argv)
     if args.calm_s >= (1 - OTHERS_FROM) * args.minutes * 60:  # no window for trainer/buffer
@@ -133,6 +143,81 @@ def schedule(args, rng: random.Random, generators: int, ranks: int) -> list[tupl
     return sorted(out)
 
 
+class LocalRun:
+    """``launch/local.py`` in a subprocess, its output in ``OUT/launch.log``."""
+
+    def __init__(self, launch_args: list[str], run_dir: Path) -> None:
+        self.log_path = run_dir / "launch.log"
+        cmd = [sys.executable, str(ROOT / "launch" / "local.py"), *launch_args]
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def stop(self) -> None:
+        """SIGTERM: the launcher stops every process of the run."""
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=60)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+class SlurmRun:
+    """``launch/slurm.py`` submits it as a one-node job (what it printed is in
+    ``OUT/launch.log``); its state comes from ``scontrol``, asked at most every
+    ``every_s`` (each poll would load the controller), its output is ``OUT/slurm-JOB.out``."""
+
+    def __init__(self, launch_args: list[str], run_dir: Path, every_s: float = 2.0) -> None:
+        one_node = ["--gen-nodes", "1", "--train-nodes", "1", "--nodes", "1"]
+        cmd = [sys.executable, str(ROOT / "launch" / "slurm.py"), *launch_args, *one_node]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        (run_dir / "launch.log").write_text(done.stdout + done.stderr)
+        found = re.search(r"submitted batch job (\d+)", done.stdout)
+        if done.returncode != 0 or found is None:
+            raise RuntimeError(f"launch/slurm.py did not submit:\n{done.stdout}{done.stderr}")
+        self.job, self.run_dir, self.every_s = found.group(1), run_dir, every_s
+        self.code: int | None = None
+        self.asked = 0.0
+
+    def poll(self) -> int | None:
+        if self.code is None and time.time() - self.asked >= self.every_s:
+            self.asked = time.time()
+            self.code = job_exit_code(self.job)
+        return self.code
+
+    def stop(self) -> None:
+        """``scancel``: the job's supervisor stops every step."""
+        subprocess.run(["scancel", self.job], capture_output=True, timeout=30)
+        deadline = time.time() + 90
+        while self.poll() is None and time.time() < deadline:
+            time.sleep(1)
+
+    def log(self) -> str:
+        path = self.run_dir / f"slurm-{self.job}.out"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+
+def job_exit_code(job: str) -> int | None:
+    """None while the job is pending, runs or completes; then its exit code (128 + the
+    signal when one ended it; 255 when the controller no longer knows the job)."""
+    shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True)
+    if "Invalid job id" in shown.stderr:
+        return 255
+    state = re.search(r"JobState=(\S+)", shown.stdout)
+    code = re.search(r"ExitCode=(\d+):(\d+)", shown.stdout)
+    if state is None or code is None or state.group(1) in ACTIVE_STATES:
+        return None
+    status, signal_number = int(code.group(1)), int(code.group(2))
+    return 128 + signal_number if signal_number else status
+
+
+ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED"}
+"""Job states in which the job's processes may still run."""
+Run = LocalRun | SlurmRun
+
+
 def live_pid(run_dir: Path, name: str) -> int | None:
     """The pid in ``pids/NAME.pid`` if that process is alive and is NAME of this run."""
     try:
@@ -149,9 +234,7 @@ def live_pid(run_dir: Path, name: str) -> int | None:
     return pid if module.startswith(MODULES[role_of(name)]) and ours and worker else None
 
 
-def kill(
-    run_dir: Path, name: str, launcher: subprocess.Popen, tail: MetricsTail, t0: float
-) -> dict:
+def kill(run_dir: Path, name: str, launcher: Run, tail: MetricsTail, t0: float) -> dict:
     """SIGKILL NAME once it is alive, then wait for the launcher to start it again."""
     record: dict[str, Any] = {"name": name, "role": role_of(name)}
     deadline = time.time() + 120
@@ -183,7 +266,7 @@ def kill(
     return record
 
 
-def wait_for_first_step(launcher: subprocess.Popen, tail: MetricsTail, timeout_s: float) -> bool:
+def wait_for_first_step(launcher: Run, tail: MetricsTail, timeout_s: float) -> bool:
     deadline = time.time() + timeout_s
     while time.time() < deadline and launcher.poll() is None:
         tail.poll()
@@ -193,7 +276,7 @@ def wait_for_first_step(launcher: subprocess.Popen, tail: MetricsTail, timeout_s
     return False
 
 
-def sleep_until(when: float, launcher: subprocess.Popen, tail: MetricsTail) -> None:
+def sleep_until(when: float, launcher: Run, tail: MetricsTail) -> None:
     while time.time() < when and launcher.poll() is None:
         tail.poll()
         time.sleep(min(0.5, max(0.0, when - time.time())))
@@ -207,17 +290,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {run_dir} is not empty (a relaunch would resume it)", file=sys.stderr)
         return 2
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable,
-        str(ROOT / "launch" / "local.py"),
+    launch_args = [
         args.experiment,
         f"run_dir={run_dir}",
         f"time_limit_s={args.minutes * 60:g}",
         f"trainer.checkpoint_every={args.checkpoint_every}",
         *args.set,
     ]
-    log = open(run_dir / "launch.log", "w")
-    launcher = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        launcher = (SlurmRun if args.launcher == "slurm" else LocalRun)(launch_args, run_dir)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     tail, kills, failed, t0 = MetricsTail(run_dir), [], [], time.time()
     try:
         if not wait_for_first_step(launcher, tail, timeout_s=900):
@@ -237,23 +321,21 @@ def main(argv: list[str] | None = None) -> int:
         sleep_until(deadline, launcher, tail)
         failed += ["launcher_timeout"] * (launcher.poll() is None)
     finally:
-        if launcher.poll() is None:  # SIGTERM: the launcher stops every process of the run
-            launcher.send_signal(signal.SIGTERM)
-            launcher.wait(timeout=60)
-        log.close()
+        if launcher.poll() is None:
+            launcher.stop()
     tail.poll()
     recovery(kills, tail, t0)
-    return check(args, run_dir, launcher.returncode, kills, tail, failed)
+    return check(args, run_dir, launcher, kills, tail, failed)
 
 
 def check(
-    args, run_dir: Path, code: int, kills: list[dict], tail: MetricsTail, failed: list[str]
+    args, run_dir: Path, launcher: Run, kills: list[dict], tail: MetricsTail, failed: list[str]
 ) -> int:
-    summary = read_json(run_dir / "summary.json")
+    code, summary = launcher.poll(), read_json(run_dir / "summary.json")
     steps = int(summary.get("steps", 0))
     done = [k for k in kills if "pid" in k]
     killed = Counter(k["role"] for k in done)
-    restarts = launcher_restarts((run_dir / "launch.log").read_text(errors="replace"))
+    restarts = launcher_restarts(launcher.log())
     last_kill_step = max((k["step"] for k in done), default=0)
     figures: dict[str, Any] = {
         "run_dir": str(run_dir),

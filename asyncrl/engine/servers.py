@@ -214,11 +214,13 @@ VLLM_LAUNCH_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 
 
 def server_env(cfg: RemoteEngineConfig, index: int) -> dict[str, str] | None:
-    """The environment of launched server ``index``: vLLM's RL routes need dev mode, and
-    vLLM has no base-GPU flag, so its GPUs are the visible ones from ``index*tp_size``."""
-    if cfg.server != "vllm":
+    """The environment of launched server ``index`` (None: the generator's). sglang takes
+    its GPUs with ``--base-gpu-id``; vLLM has no such flag and asyncrl's embedded server
+    takes the first GPU it sees, so theirs are narrowed to the visible ones from
+    ``index*tp_size``; vLLM's RL routes also need dev mode."""
+    if cfg.server == "sglang":
         return None
-    env = {**os.environ, **VLLM_LAUNCH_ENV}
+    env = {**os.environ, **(VLLM_LAUNCH_ENV if cfg.server == "vllm" else {})}
     visible = env.get("CUDA_VISIBLE_DEVICES")
     gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
     mine = gpus[index * cfg.tp_size : (index + 1) * cfg.tp_size]

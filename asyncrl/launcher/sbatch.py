@@ -5,22 +5,30 @@ Placement, over the allocation's nodes in ``scontrol show hostnames`` order: gen
 (the buffer) on the first of those (or the first node when there are none); the trainer
 ranks as one step of ``torchrun`` per node on the last ``train_nodes``, meeting through
 torchrun's c10d rendezvous on the first trainer node. When the job has fewer nodes than
-``gen_nodes + train_nodes`` the two groups overlap (one node: everything on it).
+``gen_nodes + train_nodes`` the two groups overlap (one node: everything on it). Each
+step asks for its own GPUs (a generator its engine's, with its servers' tensor-parallel
+width; a torchrun one per rank; the buffer none) and no node may need more than the job's
+``--gpus-per-node`` (``asyncrl.launcher.devices``).
 
 The script resolves the node names when the job starts, then hands the steps, one a line
 (``NAME POLICY srun ...``), to ``asyncrl.launcher.slurm_job``, which starts and supervises
-them. The processes find each other through the run directory on the shared filesystem
-(endpoint files), so nothing but the rendezvous port is chosen here.
+them: POLICY (``step_policy``) carries each process's restart group and budget, so a dead
+buffer or trainer step is restarted as the local launcher restarts it. Each step's
+command writes its own pid file (``asyncrl.launcher.pidfile``). The processes find each
+other through the run directory on the shared filesystem (endpoint files), so nothing but
+the rendezvous port is chosen here.
 """
 
 from __future__ import annotations
 
 import shlex
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from asyncrl.launcher.devices import job_gpus_per_node, slurm_step_gpus, srun_gpu_flags
 from asyncrl.launcher.prepare import Prepared
+from asyncrl.launcher.supervise import STALL_TIMEOUT_S
 from asyncrl.stages.common import ProcessSpec
 
 
@@ -41,9 +49,14 @@ class SlurmOptions:
     time: str = ""
     account: str = ""
     gpus_per_node: int = 0
-    """GPUs per node; each generator step gets one, each trainer node one per local rank."""
+    """GPUs per node; 0: none, or what the steps need when a process needs a GPU
+    (``asyncrl.launcher.devices``: a generator gets its engine's, with its servers'
+    tensor-parallel width, each trainer node one per local rank)."""
     cpus_per_task: int = 0
     """CPUs the job holds on each node (one task per node); 0 takes whole nodes."""
+    stall_timeout_s: float = STALL_TIMEOUT_S
+    """Seconds a generator's loop may go without marking it turns before the job's
+    supervisor kills and restarts it (0: never; see ``asyncrl.launcher.supervise``)."""
 
     @property
     def total_nodes(self) -> int:
@@ -60,6 +73,26 @@ def heredoc_word(text: str) -> str:
 def torchrun_path() -> str:
     exe = Path(sys.executable).with_name("torchrun")
     return str(exe) if exe.exists() else "torchrun"
+
+
+def step_policy(spec: ProcessSpec, final: bool = False) -> str:
+    """How the job's supervisor treats a step, as one word of comma-separated options
+    (``asyncrl.launcher.slurm_job.parse_policy`` reads it back): ``restart`` (started
+    again alone when it dies: a generator), ``group=G`` (restarted with its restart
+    group, from saved state), ``max_restarts=N`` (its budget), ``final`` (the job ends
+    when it exits 0); ``once`` when none applies (a death ends the job)."""
+    options = ["final"] * final + ["restart"] * spec.restartable
+    options += [f"group={spec.group}"] if spec.group else []
+    if spec.restartable or spec.group:
+        options.append(f"max_restarts={spec.max_restarts}")
+    return ",".join(options) or "once"
+
+
+def named_command(python: str, pid_file: str, spec: ProcessSpec) -> list[str]:
+    """``python -m MODULE ARGS`` through ``asyncrl.launcher.pidfile``: under ``srun`` the
+    supervisor's child is srun, so the task writes its own pid file."""
+    wrapper = [python, "-m", "asyncrl.launcher.pidfile", pid_file]
+    return [*wrapper, python, "-m", spec.module, *spec.args]
 
 
 def check_layout(
@@ -99,34 +132,36 @@ def check_layout(
 def process_steps(stage: Prepared, opts: SlurmOptions, python: str) -> list[str]:
     """One ``NAME POLICY srun ...`` line per step, with the node variables of the prologue."""
     ranks, others = check_layout(stage, opts)
-    lines, generator_cpus = side_steps(others, opts, python)
+    pids = stage.run_dir.resolve() / "pids"
+    gpus = slurm_step_gpus(stage.cfg, stage.processes, opts)  # raises when a node is short
+    lines, generator_cpus = side_steps(others, opts, python, pids, gpus)
     head = opts.total_nodes - opts.train_nodes  # the first trainer node's index in the allocation
     if opts.cpus_per_task and stage.cfg.trainer.threads_per_rank > 0:
         check_cpus(generator_cpus, len(ranks) // opts.train_nodes * max(ranks[0].threads, 1), opts)
     shared = generator_cpus[head] if head < opts.gen_nodes else 0
-    return lines + [trainer_step(stage, ranks, opts, shared)]
+    return lines + [trainer_step(stage, ranks, opts, shared, python, gpus.get("trainer", 0))]
 
 
 def side_steps(
-    others: list[ProcessSpec], opts: SlurmOptions, python: str
+    others: list[ProcessSpec], opts: SlurmOptions, python: str, pids: Path, gpus: dict[str, int]
 ) -> tuple[list[str], list[int]]:
-    """The steps of the buffer and the generators, and the CPUs generators hold per node."""
+    """The steps of the buffer and the generators, and the CPUs generators hold per node;
+    ``gpus``: each step's GPUs (``slurm_step_gpus``)."""
     lines, generators, generator_cpus = [], 0, [0] * opts.gen_nodes
     for spec in others:
         threads = max(spec.threads, 1)
         if spec.restartable:
             index, generators = generators % opts.gen_nodes, generators + 1  # round-robin
-            node, policy = f"${{GEN_NODES[{index}]}}", "restart"
+            node = f"${{GEN_NODES[{index}]}}"
             generator_cpus[index] += threads
-            # Each generator holds its own CPUs (and a GPU) for decoding.
-            resources = [f"--cpus-per-task={threads}"] + (
-                ["--gpus-per-task=1"] if opts.gpus_per_node else []
-            )
+            # Each generator holds its own CPUs (and GPUs: its engine's) for decoding.
+            resources = [f"--cpus-per-task={threads}"]
         else:
-            node, policy = ("${GEN_NODES[0]}" if opts.gen_nodes else "${NODES[0]}"), "once"
+            node = "${GEN_NODES[0]}" if opts.gen_nodes else "${NODES[0]}"
             # The buffer is an event loop: it shares its node's CPUs instead of taking one
             # from a generator (a node's CPUs are often all spoken for).
             resources = [f"--cpus-per-task={threads}", "--overlap"]
+        resources += srun_gpu_flags(gpus.get(spec.name, 0), opts.gpus_per_node)
         srun = [
             "srun",
             f"--job-name={spec.name}",
@@ -137,8 +172,8 @@ def side_steps(
             *resources,
             f"--export=ALL,OMP_NUM_THREADS={threads}",
         ]
-        command = [python, "-m", spec.module, *spec.args]
-        lines.append(" ".join([spec.name, policy, *srun, *map(heredoc_word, command)]))
+        command = named_command(python, str(pids / f"{spec.name}.pid"), spec)
+        lines.append(" ".join([spec.name, step_policy(spec), *srun, *map(heredoc_word, command)]))
     return lines, generator_cpus
 
 
@@ -158,10 +193,15 @@ def check_cpus(generator_cpus: list[int], trainer_cpus: int, opts: SlurmOptions)
 
 
 def trainer_step(
-    stage: Prepared, ranks: list[ProcessSpec], opts: SlurmOptions, shared_cpus: int
+    stage: Prepared,
+    ranks: list[ProcessSpec],
+    opts: SlurmOptions,
+    shared_cpus: int,
+    python: str,
+    gpus: int = 0,
 ) -> str:
     """The trainer ranks: one torchrun per trainer node, ``shared_cpus`` of whose CPUs
-    generators already hold (when the groups overlap)."""
+    generators already hold (when the groups overlap), with ``gpus`` GPUs (its ranks')."""
     per_node = len(ranks) // opts.train_nodes
     if stage.cfg.trainer.threads_per_rank > 0:
         threads: int | str = max(ranks[0].threads, 1)
@@ -181,7 +221,7 @@ def trainer_step(
         "--nodelist=$TRAIN_NODELIST",
         "--exact",
         f"--cpus-per-task={cpus}",
-        *([f"--gpus-per-task={per_node}"] if opts.gpus_per_node else []),
+        *srun_gpu_flags(gpus, opts.gpus_per_node),
         *(["--label"] if opts.train_nodes > 1 else []),
         # One torchrun dying takes the step down rather than leaving its peers waiting.
         "--kill-on-bad-exit=1",
@@ -196,8 +236,11 @@ def trainer_step(
         "--rdzv-id=$SLURM_JOB_ID",
         "--max-restarts=0",
     ]
-    command = ["-m", ranks[0].module, *ranks[0].args]
-    return " ".join(["trainer", "final", *srun, *torchrun, *map(heredoc_word, command)])
+    # torchrun runs "python -m" + this: the pid file wrapper, which becomes the rank.
+    pid_file = str(stage.run_dir.resolve() / "pids" / "trainer_{rank}.pid")
+    command = named_command(python, pid_file, ranks[0])[1:]
+    policy = step_policy(ranks[0], final=True)
+    return " ".join(["trainer", policy, *srun, *torchrun, *map(heredoc_word, command)])
 
 
 def job_header(stage: Prepared, opts: SlurmOptions, workdir: Path) -> list[str]:
@@ -220,6 +263,7 @@ def sbatch_script(
     stage: Prepared, opts: SlurmOptions, workdir: Path, python: str = sys.executable
 ) -> str:
     """The whole batch script for ``stage`` (raises ``LayoutError`` when it cannot fit)."""
+    opts = replace(opts, gpus_per_node=job_gpus_per_node(stage.cfg, stage.processes, opts))
     steps = process_steps(stage, opts, python)
     n, m, k = opts.gen_nodes, opts.train_nodes, opts.total_nodes
     run_dir = stage.run_dir.resolve()
@@ -241,9 +285,11 @@ RDZV_PORT=$((10000 + SLURM_JOB_ID % 20000))
 echo "[slurm] job $SLURM_JOB_ID: generator nodes: ${{GEN_NODES[*]:-none}}; trainer nodes: ${{TRAIN_NODES[*]}};" \\
   "rendezvous $TRAIN_HEAD:$RDZV_PORT"
 export PYTHONUNBUFFERED=1
-# Each line: step name, policy (once | restart: a generator, started again when it dies |
-# final: the run ends when it exits 0), then the srun command.
-exec {shlex.quote(python)} -m asyncrl.launcher.slurm_job {shlex.quote(str(run_dir))} <<STEPS"""
+# Each line: step name, policy (comma-separated: restart: a generator, started again when
+# it dies | group=G: restarted with its group from saved state | max_restarts=N | final:
+# the run ends when it exits 0 | once: a death ends the job), then the srun command.
+exec {shlex.quote(python)} -m asyncrl.launcher.slurm_job {shlex.quote(str(run_dir))} \\
+  --stall-timeout-s {opts.stall_timeout_s:g} <<STEPS"""
     header = [
         "#!/bin/bash",
         f"# asyncrl: {stage.cfg.name} in {run_dir} (written by launch/slurm.py)",

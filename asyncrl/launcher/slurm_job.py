@@ -3,12 +3,15 @@
     python -m asyncrl.launcher.slurm_job RUN_DIR < STEPS
 
 The batch script that ``launch/slurm.py`` writes resolves the allocation's node names and
-pipes in one step a line, ``NAME POLICY srun ...`` (POLICY: ``once``, ``restart`` for a
-generator, ``final`` for the trainer). Each step runs as a child ``srun`` with its log in
-``RUN_DIR/logs/NAME.log`` (the trainer's is echoed to the job's output) and is supervised
-like a local process (``asyncrl.launcher.supervise``): a dead generator step is started
-again, any other death ends the job with the tail of its log, and the job ends once the
-trainer step exits 0.
+pipes in one step a line, ``NAME POLICY srun ...`` (POLICY: comma-separated options,
+``parse_policy``: ``restart`` for a generator, ``group=buffer`` or ``group=trainer`` with
+``max_restarts=N``, ``final`` for the trainer, or ``once``). Each step runs as a child
+``srun`` with its log in ``RUN_DIR/logs/NAME.log`` (the trainer's is echoed to the job's
+output) and is supervised like a local process (``asyncrl.launcher.supervise``): a dead
+or stalled generator step is started again, a dead buffer step too (it restores its
+state), a dead trainer step (all its ranks: ``--kill-on-bad-exit``) resumes from the
+newest checkpoint, a death past its budget or of a ``once`` step ends the job with the
+tail of its log, and the job ends once the trainer step exits 0.
 
 Stopping a step: a SIGTERM to ``srun`` makes it kill its tasks outright, so the tasks get
 their SIGTERM from ``scancel --signal=TERM JOB.STEP`` instead and write their final state
@@ -35,13 +38,21 @@ import time
 from pathlib import Path
 
 from asyncrl.launcher.prepare import clear_rendezvous
-from asyncrl.launcher.supervise import Supervised, say, supervise
-
-POLICIES = ("once", "restart", "final")
+from asyncrl.launcher.supervise import (
+    Supervised,
+    add_stall_option,
+    clear_trainer_rendezvous,
+    say,
+    supervise,
+)
 
 
 class SlurmStep(Supervised):
-    """A child ``srun``; stopped through ``scancel`` on its step id."""
+    """A child ``srun``; stopped through ``scancel`` on its step id. Its task writes its
+    own pid file (``asyncrl.launcher.pidfile``): srun's pid is not the process's."""
+
+    def record_pid(self) -> None:
+        pass
 
     def step_id(self) -> str | None:
         """This step's newest id in the job (None before Slurm has created it). The name
@@ -68,19 +79,43 @@ class SlurmStep(Supervised):
             self.proc.kill()  # no step yet: srun is still waiting for resources, nothing ran
 
     def kill(self) -> None:
-        self._scancel()
+        # SIGKILL at once (a plain scancel sends SIGTERM first and waits), which also ends
+        # a stopped task; then srun, which would otherwise linger for the step's end.
+        self._scancel("--signal=KILL")
         self.proc.kill()
 
 
-def parse_steps(text: str) -> list[tuple[str, str, list[str]]]:
+def parse_policy(word: str) -> dict:
+    """A step's POLICY word (``asyncrl.launcher.sbatch.step_policy``) as ``Supervised``
+    keyword arguments; raises ValueError on an option it does not know."""
+    options: dict = {}
+    for option in word.split(","):
+        key, _, value = option.partition("=")
+        if option in ("restart", "final"):
+            options["restartable" if option == "restart" else "final"] = True
+        elif key == "group" and value:
+            options["group"] = value
+        elif key == "max_restarts" and value.isdigit():
+            options["max_restarts"] = int(value)
+        elif option != "once":
+            raise ValueError(f"unknown step option {option!r}")
+    return options
+
+
+def parse_steps(text: str) -> list[tuple[str, dict, list[str]]]:
+    """(name, ``parse_policy`` options, srun argv) per step line."""
     steps = []
     for line in text.splitlines():
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         name, policy, *argv = shlex.split(line)
-        if policy not in POLICIES or not argv:
-            raise ValueError(f"bad step line (want NAME {'|'.join(POLICIES)} COMMAND...): {line}")
-        steps.append((name, policy, argv))
+        try:
+            options = parse_policy(policy)
+        except ValueError as e:
+            raise ValueError(f"bad step line (want NAME POLICY COMMAND...): {e}: {line}") from e
+        if not argv:
+            raise ValueError(f"bad step line (no command): {line}")
+        steps.append((name, options, argv))
     return steps
 
 
@@ -90,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--grace-s", type=float, default=20.0, help="SIGTERM to SIGKILL, per stop")
+    add_stall_option(parser)
     args = parser.parse_args(argv)
     steps = parse_steps(sys.stdin.read())
     if os.environ.get("ASYNCRL_PRINT_STEPS"):
@@ -103,19 +139,18 @@ def main(argv: list[str] | None = None) -> int:
         f"{os.environ.get('SLURM_JOB_ID', os.getpid())}-{time.time_ns()}"
     )
     procs = [
-        SlurmStep(
-            name,
-            argv,
-            args.run_dir / "logs" / f"{name}.log",
-            restartable=policy == "restart",
-            final=policy == "final",
-            echo=policy == "final",
-        )
-        for name, policy, argv in steps
+        SlurmStep(name, argv, args.run_dir / "logs" / f"{name}.log", echo="final" in opts, **opts)
+        for name, opts, argv in steps
     ]
     for p in procs:
         say(f"step {p.name}: {shlex.join(p.argv)}")
-    code = supervise(procs, grace_s=args.grace_s, stop=stop)
+    code = supervise(
+        procs,
+        grace_s=args.grace_s,
+        stop=stop,
+        before_restart=lambda group: clear_trainer_rendezvous(args.run_dir, group),
+        stall_s=args.stall_timeout_s,
+    )
     summary = args.run_dir / "summary.json"
     if code == 0:
         say(f"done: {summary.read_text().strip() if summary.exists() else 'no summary.json'}")

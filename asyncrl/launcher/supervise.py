@@ -3,13 +3,17 @@
 Each ``Supervised`` is one command line with its own log (``RUN_DIR/logs/NAME.log``)
 and pid file (``RUN_DIR/pids/NAME.pid``, rewritten at each start): ``python -m MODULE``
 under ``launch/local.py``, an ``srun`` step under ``asyncrl.launcher.slurm_job`` (which
-overrides how a step is stopped). ``supervise`` polls them:
+overrides how a step is stopped, and whose tasks write their pid files themselves).
+``supervise`` polls them:
 
 - a restartable one (a generator) that dies is started again and rejoins;
 - one in a restart group that dies takes its group down and up again: the buffer alone
   (it restores its saved state and write-ahead log), or all trainer ranks together (one
   dead rank would hang the others in a collective; they resume from the newest
   checkpoint), while the rest of the run keeps going;
+- a restartable one whose loop stalls (frozen, wedged) counts as dead: it is told a file,
+  ``RUN_DIR/alive/NAME`` (``ALIVE_FILE_ENV``), to touch as its loop turns (``AliveMark``);
+  once it has, a mark older than ``stall_s`` gets it SIGKILLed and restarted;
 - any other death, or one past its restart budget, stops everything and prints the tail
   of that log;
 - when every final one (the trainer) has exited 0, the rest are stopped: the run is done.
@@ -17,6 +21,7 @@ overrides how a step is stopped). ``supervise`` polls them:
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -26,6 +31,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
+
+ALIVE_FILE_ENV = "ASYNCRL_ALIVE_FILE"
+"""Names the file a supervised process touches to show its loop turns."""
+STALL_TIMEOUT_S = 60.0
+"""Default seconds without a liveness mark before a process counts as stalled: far above
+a loop turn (a decode step, a weight flip; weights stage on another thread), far below
+what a silent hang would cost."""
 
 
 def _tee(stream: BinaryIO, log_file: BinaryIO, echo: BinaryIO | None) -> None:
@@ -45,6 +57,21 @@ def log_tail(path: Path, lines: int = 40) -> str:
 
 def say(message: str) -> None:
     print(f"[launch] {message}", file=sys.stderr, flush=True)
+
+
+class AliveMark:
+    """The process's side of stall detection: ``touch()`` once per loop turn marks the
+    file its supervisor named in ``ASYNCRL_ALIVE_FILE``, at most every ``every_s``
+    (nothing without one: a process started by hand is not watched)."""
+
+    def __init__(self, every_s: float = 1.0) -> None:
+        path = os.environ.get(ALIVE_FILE_ENV)
+        self.path, self.every_s, self.last = Path(path) if path else None, every_s, 0.0
+
+    def touch(self, now: float) -> None:
+        if self.path is not None and now - self.last >= self.every_s:
+            self.path.touch()
+            self.last = now
 
 
 class Supervised:
@@ -70,20 +97,35 @@ class Supervised:
         self.restarts = 0
         self.proc: subprocess.Popen | None = None
         self.thread: threading.Thread | None = None
+        run_dir = log_path.parent.parent
+        self.pid_path = run_dir / "pids" / f"{name}.pid"
+        # Only a generator's loop is watched: it alone is restarted on its own.
+        self.alive_path = run_dir / "alive" / name if restartable else None
+        self.mark: int | None = None  # the alive file's mtime when last seen
+        self.mark_seen = 0.0  # when it last changed, on this supervisor's clock
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = self.env
+        if self.alive_path is not None:
+            # A mark left by the previous start would read as a stall of this one.
+            self.alive_path.parent.mkdir(exist_ok=True)
+            self.alive_path.unlink(missing_ok=True)
+            self.mark = None
+            env = dict(os.environ if env is None else env, **{ALIVE_FILE_ENV: str(self.alive_path)})
         self.proc = subprocess.Popen(
-            self.argv, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            self.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
         )
         echo = sys.stdout.buffer if self.echo else None  # e.g. rank 0 is shown by the launcher too
         self.thread = threading.Thread(
             target=_tee, args=(self.proc.stdout, open(self.log_path, "ab"), echo), daemon=True
         )
         self.thread.start()
-        pids = self.log_path.parent.parent / "pids"
-        pids.mkdir(exist_ok=True)
-        (pids / f"{self.name}.pid").write_text(f"{self.proc.pid}\n")
+        self.record_pid()
+
+    def record_pid(self) -> None:
+        self.pid_path.parent.mkdir(exist_ok=True)
+        self.pid_path.write_text(f"{self.proc.pid}\n")
 
     def poll(self) -> int | None:
         return self.proc.poll()
@@ -94,6 +136,21 @@ class Supervised:
 
     def kill(self) -> None:
         self.proc.kill()
+
+    def stalled_s(self) -> float:
+        """Seconds since its liveness mark last changed; 0 until its first mark (a model
+        still loading is not stalled) and for a process that is not watched. Changes are
+        timed on this clock, so a compute node's clock skew does not count."""
+        try:
+            mark = self.alive_path.stat().st_mtime_ns if self.alive_path is not None else None
+        except FileNotFoundError:
+            mark = None
+        if mark is None:
+            return 0.0
+        now = time.monotonic()
+        if mark != self.mark:
+            self.mark, self.mark_seen = mark, now
+        return now - self.mark_seen
 
 
 def stop_all(procs: list[Supervised], grace_s: float = 10.0) -> None:
@@ -116,16 +173,52 @@ def stop_all(procs: list[Supervised], grace_s: float = 10.0) -> None:
             p.thread.join(timeout=2)
 
 
+def poll_or_kill_stalled(p: Supervised, stall_s: float) -> int | None:
+    """``p``'s exit code, None while it runs; one that stalled for over ``stall_s``
+    (0: never) is SIGKILLed first, which also ends a stopped (SIGSTOP) process."""
+    code = p.poll()
+    if code is not None or stall_s <= 0 or (stalled := p.stalled_s()) <= stall_s:
+        return code
+    say(
+        f"{p.name} stalled for {stalled:.0f} s (its loop has not marked {p.alive_path}); killing it"
+    )
+    p.kill()
+    return p.proc.wait()
+
+
+def restart(
+    p: Supervised,
+    code: int,
+    procs: list[Supervised],
+    grace_s: float,
+    before_restart: Callable[[str], None] | None,
+) -> None:
+    """Start ``p`` again after its death, with its whole restart group if it has one."""
+    group = [q for q in procs if q.group == p.group] if p.group else [p]
+    say(
+        f"{p.name} exited with code {code}; restart {p.restarts + 1} of "
+        f"{', '.join(q.name for q in group)}; last lines of {p.log_path}:\n"
+        f"{log_tail(p.log_path, 10)}"
+    )
+    stop_all([q for q in group if q is not p], grace_s)
+    if p.group and before_restart is not None:
+        before_restart(p.group)
+    for q in group:
+        q.restarts += 1
+        q.start()
+
+
 def supervise(
     procs: list[Supervised],
     grace_s: float = 10.0,
     stop: threading.Event | None = None,
     before_restart: Callable[[str], None] | None = None,
+    stall_s: float = STALL_TIMEOUT_S,
 ) -> int:
     """Start ``procs`` and watch them until the final ones have all exited 0 (returns 0),
     something else died (1) or ``stop`` was set, e.g. by a signal handler (143).
     ``before_restart(group)`` runs after a restart group is down, before it starts again
-    (the local launcher removes the trainer ranks' rendezvous file there)."""
+    (``clear_trainer_rendezvous``); ``stall_s``: see ``poll_or_kill_stalled``."""
     for p in procs:
         p.start()
     finals = [p for p in procs if p.final]
@@ -135,24 +228,13 @@ def supervise(
             stop_all(procs, grace_s)
             return 143
         for p in procs:
-            code = p.poll()
+            code = poll_or_kill_stalled(p, stall_s)
             if code is None or (code == 0 and p.final):
                 continue
             if stop is not None and stop.is_set():
                 break  # deaths while stopping are the stop's doing
             if (p.restartable or p.group) and p.restarts < p.max_restarts:
-                group = [q for q in procs if q.group == p.group] if p.group else [p]
-                say(
-                    f"{p.name} exited with code {code}; restart {p.restarts + 1} of "
-                    f"{', '.join(q.name for q in group)}; last lines of {p.log_path}:\n"
-                    f"{log_tail(p.log_path, 10)}"
-                )
-                stop_all([q for q in group if q is not p], grace_s)
-                if p.group and before_restart is not None:
-                    before_restart(p.group)
-                for q in group:
-                    q.restarts += 1
-                    q.start()
+                restart(p, code, procs, grace_s, before_restart)
                 continue
             stop_all(procs, grace_s)
             say(
@@ -163,6 +245,31 @@ def supervise(
             stop_all(procs, grace_s)  # the trainer is done: the buffer and generators stop with it
             return 0
         time.sleep(0.2)
+
+
+def clear_trainer_rendezvous(run_dir: Path, group: str) -> None:
+    """Either launcher's ``before_restart``: trainer ranks restarted together meet anew,
+    so the dead ones' rendezvous file goes (a buffer restores its own state)."""
+    if group == "trainer":
+        (run_dir / "rendezvous").unlink(missing_ok=True)
+
+
+def stall_timeout(text: str) -> float:
+    """``--stall-timeout-s``, refused early when negative."""
+    seconds = float(text)
+    if seconds < 0:
+        raise argparse.ArgumentTypeError(f"{text} is negative (0 turns stall detection off)")
+    return seconds
+
+
+def add_stall_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--stall-timeout-s",
+        type=stall_timeout,
+        default=STALL_TIMEOUT_S,
+        help="restart a generator whose loop has not turned for this long, once it has "
+        f"started turning (default {STALL_TIMEOUT_S:g}; 0: never)",
+    )
 
 
 def child_env(threads: int, **extra: str) -> dict[str, str]:
