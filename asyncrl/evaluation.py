@@ -1,9 +1,10 @@
 """Held-out evaluation: greedy accuracy of a policy on a task's eval split.
 
-Runs on one process (trainer rank 0) through an embedded engine of its own (DESIGN §8)
-holding a plain, unsharded copy of the weights, so sharded trainer ranks never step a
-decode loop in lockstep. Each evaluation puts the gathered weights into the engine
-(``EmbeddedEngine.load_weights``: its own staging and flip, waited for), then submits
+Runs on one process (trainer rank 0) through an embedded engine of its own (DESIGN §8),
+so sharded trainer ranks never step a decode loop in lockstep. The stages' engine holds
+no weights and no KV cache between evaluations; each evaluation lends it the gathered
+weights (``holding_weights``: the engine adopts the tensors, so rank 0 holds one
+unsharded copy, only while it evaluates), then submits
 every prompt at temperature 0 (greedy) and lets continuous batching run them through
 ``batch_size`` slots. Prompts are tokenized as the generators tokenize them (no special
 tokens added). The test pins it to transformers' greedy ``generate``, its former path.
@@ -12,7 +13,8 @@ tokens added). The test pins it to transformers' greedy ``generate``, its former
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -65,17 +67,34 @@ def make_eval_engine(
     longest_prompt: int,
     device: torch.device,
     budget: int | None = None,
+    *,
+    released: bool = False,
 ) -> EmbeddedEngine:
     """An engine sized for evaluation: ``batch_size`` slots, each as long as the longest
     prompt plus the generation budget (``cfg.max_new_tokens``, or a whole episode's), so
-    no completion is cut short by the cache."""
+    no completion is cut short by the cache. ``released``: with no weights or cache until
+    ``holding_weights`` lends them (else with the weights at ``model.path``)."""
     engine_cfg = EmbeddedEngineConfig(
         max_slots=cfg.batch_size,
         max_seq_len=longest_prompt + (cfg.max_new_tokens if budget is None else budget),
         device="cuda" if device.type == "cuda" else "cpu",
         dtype=model.dtype,
     )
-    return EmbeddedEngine(model.path, engine_cfg)
+    return EmbeddedEngine(model.path, engine_cfg, released=released)
+
+
+@contextmanager
+def holding_weights(
+    engine: EmbeddedEngine, state_dict: Mapping[str, torch.Tensor], version: int
+) -> Iterator[EmbeddedEngine]:
+    """``engine`` with the weights of ``state_dict`` (its tensors adopted, not copied) and
+    its KV cache for the span of the block, both released after it."""
+    engine.load_weights(state_dict, version)
+    engine.resume_memory()
+    try:
+        yield engine
+    finally:
+        engine.release_memory()
 
 
 def greedy_completions(

@@ -6,7 +6,7 @@ transport, a placement, an engine) is one class that has these methods.
   ``asyncrl.buffer.client.BufferClient`` (the buffer process, over ZeroMQ) and by
   ``asyncrl.stages.colocated.ColocatedRollout`` (generation inside the trainer process).
 - ``WeightPublisher``: how trainer rank 0 hands new weights to the generators.
-  Implemented by ``ZmqWeightPublisher``, ``DiskWeightPublisher``,
+  Implemented by ``BucketPublisher`` (``asyncrl.weights.sender``), ``DiskWeightPublisher``,
   ``NcclWeightPublisher`` and ``NoWeightPublisher`` (ranks other than 0) in
   ``asyncrl.trainer.publish``, and by ``ColocatedRollout``.
 - ``Engine``: what a generator (and the colocated placement) asks of an inference engine.
@@ -16,7 +16,8 @@ transport, a placement, an engine) is one class that has these methods.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -56,12 +57,32 @@ class BatchSource(Protocol):
         ...
 
 
+@dataclass
+class FullParameters:
+    """The policy's parameters, unsharded one at a time (``TrainerCore.full_parameters``):
+    names, dtypes and full shapes up front, then the tensors by iterating ``tensors`` once.
+    Each is gathered as it is reached (a collective), so every rank iterates to the end
+    and no rank ever holds more than one whole tensor at once."""
+
+    specs: list[tuple[str, torch.dtype, torch.Size]]
+    tensors: Iterable[tuple[str, torch.Tensor]]
+
+    @classmethod
+    def of(cls, state: dict[str, torch.Tensor]) -> FullParameters:
+        """Of whole tensors already at hand."""
+        return cls([(name, t.dtype, t.shape) for name, t in state.items()], state.items())
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """All of them at once (each a copy), for paths that need the whole state."""
+        return {name: t.clone() for name, t in self.tensors}
+
+
 class WeightPublisher(Protocol):
     """How trainer rank 0 sends each new version of the policy to the generators."""
 
-    def publish(self, version: int, state: dict[str, torch.Tensor]) -> float:
-        """Send ``state`` (full, unsharded tensors by name) as ``version``; returns the
-        seconds it took."""
+    def publish(self, version: int, params: FullParameters) -> float:
+        """Send ``params`` as ``version`` (every rank calls it, and iterates ``params`` to
+        the end); returns the seconds the caller was held."""
         ...
 
     def republish(self) -> None:

@@ -143,20 +143,25 @@ def model_class(cfg: ModelConfig) -> type:
     return AutoModelForTokenClassification if cfg.head == "value" else AutoModelForCausalLM
 
 
-def load_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> PreTrainedModel:
-    """Load the model at ``cfg.path`` with ``cfg.head`` (no network).
-
-    A value model read from a directory without a value head (e.g. the policy's) gets a
-    zero head, so every value starts at 0 and the first updates move only the head.
-    """
+def model_dir(cfg: ModelConfig) -> Path:
+    """``cfg.path``, checked to hold a Hugging Face model."""
     path = Path(cfg.path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"no Hugging Face model at '{path}' (model.path); build one with "
             f"tools/make_tiny_model.py or set model.make_if_missing=true"
         )
+    return path
+
+
+def load_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> PreTrainedModel:
+    """Load the model at ``cfg.path`` with ``cfg.head`` (no network).
+
+    A value model read from a directory without a value head (e.g. the policy's) gets a
+    zero head, so every value starts at 0 and the first updates move only the head.
+    """
     model, info = model_class(cfg).from_pretrained(
-        str(path),
+        str(model_dir(cfg)),
         config=hf_config(cfg),
         dtype=getattr(torch, cfg.dtype),
         attn_implementation=cfg.attn_implementation,
@@ -168,6 +173,59 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> PreTrain
             if model.score.bias is not None:
                 model.score.bias.zero_()
     return model.to(device)
+
+
+def empty_model(cfg: ModelConfig) -> PreTrainedModel:
+    """The model ``load_model`` gives, built on the meta device: its modules, parameter
+    shapes and ties (the LM head shares the embedding's parameter when the config ties
+    them), and no storage. The trainer shards it, allocates each rank's shards with
+    ``to_empty`` and loads them; ``restore_buffers`` then recomputes what ``to_empty``
+    left uninitialised. In eval mode, as ``from_pretrained`` leaves a model."""
+    model_dir(cfg)
+    with torch.device("meta"):
+        model = model_class(cfg).from_config(
+            hf_config(cfg),
+            dtype=getattr(torch, cfg.dtype),
+            attn_implementation=cfg.attn_implementation,
+        )
+    return model.eval()
+
+
+def restore_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    """Compute the non-persistent buffers of a model built on the meta device (the rotary
+    embedding's inverse frequencies) on ``device``: no checkpoint holds them, and
+    ``to_empty`` allocates them without values. Each module that owns one is built again
+    from its config on ``device``, as the model's constructor built it, and its
+    non-persistent buffers replace the old ones."""
+    for owner, module in model.named_modules():
+        # torch's own record of the buffers a state dict leaves out
+        lost = module._non_persistent_buffers_set & set(module._buffers)
+        if not lost:
+            continue
+        if not hasattr(module, "config"):
+            raise ValueError(
+                f"cannot rebuild the non-persistent buffers of {owner} "
+                f"({type(module).__name__}): it has no config to rebuild from"
+            )
+        with torch.device(device):
+            fresh = type(module)(module.config)
+        for name in sorted(lost):
+            module.register_buffer(name, fresh.get_buffer(name), persistent=False)
+
+
+def weightless_model(cfg: ModelConfig, device: torch.device) -> PreTrainedModel:
+    """``cfg``'s model on ``device`` with every parameter empty (a tied one stays shared)
+    and its buffers computed: a released engine's copy, filled by staging weights."""
+    model = empty_model(cfg)
+    fresh: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if id(param) not in fresh:
+                empty = torch.empty(0, dtype=param.dtype, device=device)
+                fresh[id(param)] = torch.nn.Parameter(empty, requires_grad=False)
+            setattr(module, name, fresh[id(param)])
+    restore_buffers(model, device)
+    return model
 
 
 def model_config(path: str | Path) -> AutoConfig:

@@ -21,13 +21,14 @@ import json
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import zmq
 
 from asyncrl import security
+from asyncrl.weights.config import WeightSyncConfig
 
 
 @dataclass
@@ -60,6 +61,8 @@ class TransportConfig:
     """… or once this many milliseconds have passed since its last flush, whichever first."""
     heartbeat_s: float = 1.0
     """Interval of generator heartbeats."""
+    weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """Weights to embedded engines: buckets, deltas between anchors, checksums."""
 
 
 def bind(

@@ -14,6 +14,8 @@ Who sends what:
                                           version a restarted trainer resumes at)
     CheckpointAnnounce trainer -> buffer  the oldest checkpoint kept (older batches can go)
     WeightsAnnounce trainer -> generators header of a weights update; raw tensor frames follow
+    WeightsBucket  trainer -> generators  one bucket of a version (anchor or delta), one frame
+    AnchorRequest  generator -> trainer   "send the whole weights": missed a delta, bad checksum
 
 Tensors never go through msgpack: ``encode_tensors`` yields a small header plus one raw
 frame per tensor (zero-copy buffers), and ``decode_tensors`` rebuilds them with
@@ -207,6 +209,49 @@ class WeightsAnnounce(Message):
     newer versions from the one it has."""
 
 
+class TensorSpan(msgspec.Struct, array_like=True):
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int
+    """Byte offset in the version's flat buffer (``asyncrl.weights.codec.Layout``)."""
+
+
+class WeightsBucket(Message):
+    """One byte range of a weights version's flat buffer; one raw frame follows: the
+    range's bytes (``kind="anchor"``) or, compressed if ``compressed``, their byte-shuffled
+    XOR with the same range of version ``base`` (``kind="delta"``)."""
+
+    version: int
+    lineage: str
+    kind: Literal["anchor", "delta"]
+    base: int
+    """The version a delta applies to (the anchor's own version for an anchor)."""
+    index: int
+    count: int
+    """Buckets in this version; they are sent in order."""
+    start: int
+    end: int
+    total: int
+    """Bytes of the whole flat buffer."""
+    checksum: int
+    """CRC-32 of the range's bytes in ``version``, checked after applying."""
+    itemsize: int
+    """Element size of the delta's byte shuffle."""
+    compressed: bool = False
+    layout: list[TensorSpan] = []
+    """The tensors of the flat buffer: in an anchor's first bucket."""
+
+
+class AnchorRequest(Message):
+    """Generator -> trainer rank 0: send the newest version whole; this generator holds
+    ``have`` (-1: nothing it can apply a delta to) and says ``why``."""
+
+    worker_id: str
+    have: int
+    why: str
+
+
 class WeightsOnDisk(Message):
     """Weights ``version`` are the complete Hugging Face directory ``path`` (absolute), for
     generators whose servers load weights from disk (``DiskWeightPublisher``)."""
@@ -230,6 +275,8 @@ ANY_MESSAGE = (
     | CheckpointAnnounce
     | WeightsAnnounce
     | WeightsOnDisk
+    | WeightsBucket
+    | AnchorRequest
 )
 
 ErrorKind = Literal["decode", "protocol", "run_id", "unexpected", "frames"]

@@ -89,6 +89,7 @@ def test_colocated_rollout_is_on_policy_with_the_trainers_logprobs(
         for step in range(3):
             batch = rollout.request_batch(step, 1)
             assert batch.step == step
+            assert rollout.engine.memory_bytes == 0  # weights and cache given to the trainer
             sizes = Counter(s.group_id for s in batch.samples)
             assert len(sizes) == PROMPTS and set(sizes.values()) == {GROUP}  # whole groups
             for s in batch.samples:
@@ -109,7 +110,8 @@ def test_colocated_rollout_is_on_policy_with_the_trainers_logprobs(
             after = _recompute(core, micro, cfg.sampling.temperature)
             # The update really moves the policy, so stale weights in the engine would show.
             assert max((a - b).abs().max().item() for a, b in zip(after, before)) > 1e-2
-            assert rollout.publish(step + 1, core.full_state_dict()) >= 0.0
+            assert rollout.publish(step + 1, core.full_parameters()) >= 0.0
+            assert rollout.engine.cache is not None  # taken back, with the new weights
             rollout.announce_version(step + 1)
         assert rollout.engine.version == 3
         assert dict(rollout.buffer.state.staleness) == {0: 3 * PROMPTS * GROUP}

@@ -17,7 +17,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-import zmq
 
 from asyncrl.buffer.client import BufferClient
 from asyncrl.buffer.config import BufferConfig
@@ -26,14 +25,15 @@ from asyncrl.engine.base import StepOutput
 from asyncrl.engine.config import EngineConfig
 from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from asyncrl.generator.worker import GeneratorWorker
+from asyncrl.interfaces import FullParameters
 from asyncrl.metrics import MetricsConfig
 from asyncrl.models import ModelConfig, load_model, load_tokenizer
 from asyncrl.rollout import RolloutConfig, SamplingConfig
 from asyncrl.stages.rl_batch import to_sequences
 from asyncrl.stages.rl_config import RLConfig
 from asyncrl.tasks import TaskConfig
-from asyncrl.transport import TransportConfig, bind, make_socket, write_endpoints
-from asyncrl.wire import encode_tensors
+from asyncrl.transport import TransportConfig
+from asyncrl.weights.sender import BucketPublisher
 from tests.episode_envs import Counter, LengthAgent
 
 STEPS, PROMPTS, SAMPLES = 5, 2, 3
@@ -106,11 +106,7 @@ def _run(tmp_path: Path, cfg: RolloutConfig, engine: RecordingEngine, successor=
     client = BufferClient(str(tmp_path), "ep", rank=0, transport=cfg.transport)
     leases: dict[str, tuple[int, int]] = {}
     workers = [_start_worker(cfg, "g0", engine, leases)]
-    ctx = zmq.Context()
-    weights = make_socket(ctx, zmq.PUB, cfg.transport)
-    write_endpoints(
-        tmp_path, "trainer", {"weights": bind(weights, cfg.transport, tmp_path, "trainer-w")}
-    )
+    weights = BucketPublisher(cfg)
     state = load_model(cfg.model).state_dict()
     samples = []
     try:
@@ -127,13 +123,13 @@ def _run(tmp_path: Path, cfg: RolloutConfig, engine: RecordingEngine, successor=
                 workers.append(_start_worker(cfg, "g1", successor, leases))
             # New weights each step (slightly moved, so their logprobs differ).
             state = {k: v + 1e-3 * torch.randn_like(v) for k, v in state.items()}
-            weights.send_multipart(encode_tensors(step + 1, "ep", state))
+            weights.publish(step + 1, FullParameters.of(state))
             client.announce_version(step + 1)
     finally:
         for worker in workers:
             _stop(worker)
         client.close()
-        ctx.destroy(linger=0)
+        weights.close()
         buffer.send_signal(signal.SIGTERM)
         buffer.wait(timeout=30)
     return samples, leases

@@ -26,11 +26,13 @@ from asyncrl.buffer.config import BufferConfig
 from asyncrl.config import save_json
 from asyncrl.engine.config import EngineConfig
 from asyncrl.engine.embedded import EmbeddedEngineConfig
+from asyncrl.interfaces import FullParameters
 from asyncrl.models import ModelConfig
 from asyncrl.rollout import RolloutConfig, SamplingConfig
 from asyncrl.tasks import TaskConfig
-from asyncrl.trainer.publish import ZmqWeightPublisher
 from asyncrl.transport import TransportConfig, bind, make_socket, read_endpoints, write_endpoints
+from asyncrl.weights.receiver import WeightsReceiver
+from asyncrl.weights.sender import BucketPublisher
 from asyncrl.wire import (
     PROTOCOL_VERSION,
     Batch,
@@ -46,7 +48,6 @@ from asyncrl.wire import (
     VersionAnnounce,
     WeightsAnnounce,
     WireDecoder,
-    decode_tensors,
     encode,
 )
 
@@ -321,8 +322,11 @@ def test_fuzzing_the_weights_publisher(tmp_path):
     garbage, unsubscriptions, multi-frame and oversized ones. A generator's SUB still
     receives the next version intact."""
     transport = TransportConfig(max_message_bytes=1 << 16)
+    transport.weights.anchor_every = 1  # a late subscriber then needs no anchor request
     cfg = SimpleNamespace(run_dir=str(tmp_path), run_id=RUN, transport=transport)
-    publisher = ZmqWeightPublisher(cfg)
+    publisher = BucketPublisher(cfg)
+    state = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+    publisher.publish(0, FullParameters.of(state))  # binds the sockets
     ctx = zmq.Context()
     try:
         endpoint = read_endpoints(tmp_path, "trainer", timeout_s=10)["weights"]
@@ -341,16 +345,16 @@ def test_fuzzing_the_weights_publisher(tmp_path):
         sub = make_socket(ctx, zmq.SUB, transport, max_message_bytes=transport.max_weights_bytes)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(endpoint)
-        state = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
-        received = None
+        receiver, received, version = WeightsReceiver(timeout_s=30), None, 0
         deadline = time.time() + 30
         while received is None and time.time() < deadline:
-            publisher.publish(1, state)  # PUB drops what it sends before the subscription lands
+            version += 1  # PUB drops what it sends before the subscription lands
+            publisher.publish(version, FullParameters.of(state))
             if sub.poll(200):
                 frames = sub.recv_multipart()
-                received = decode_tensors(WireDecoder(RUN).decode(frames[0]), frames[1:])
+                received = receiver.accept(WireDecoder(RUN).decode(frames[0]), frames[1])
         assert received is not None, "the SUB never received the weights"
-        assert torch.equal(received["w"], state["w"])
+        assert torch.equal(received[1]["w"], state["w"])
     finally:
         ctx.destroy(linger=0)
         publisher.close()

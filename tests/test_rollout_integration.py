@@ -13,19 +13,18 @@ import sys
 import time
 from pathlib import Path
 
-import zmq
-
 from asyncrl.buffer.client import BufferClient
 from asyncrl.buffer.config import BufferConfig
 from asyncrl.config import save_json
 from asyncrl.engine.config import EngineConfig
 from asyncrl.engine.embedded import EmbeddedEngineConfig
+from asyncrl.interfaces import FullParameters
 from asyncrl.metrics import MetricsConfig, read_metrics
 from asyncrl.models import ModelConfig, load_model
 from asyncrl.rollout import RolloutConfig, SamplingConfig
 from asyncrl.tasks import TaskConfig
-from asyncrl.transport import TransportConfig, bind, make_socket, write_endpoints
-from asyncrl.wire import encode_tensors
+from asyncrl.transport import TransportConfig
+from asyncrl.weights.sender import BucketPublisher
 
 STEPS, PROMPTS, SAMPLES = 6, 2, 3
 
@@ -68,11 +67,7 @@ def test_buffer_generators_and_consumer_survive_a_generator_kill(tmp_path, tiny_
             tmp_path / f"{g}.log",
         )
     client = BufferClient(str(tmp_path), "it", rank=0, transport=cfg.transport)
-    ctx = zmq.Context()
-    weights = make_socket(ctx, zmq.PUB, cfg.transport)
-    write_endpoints(
-        tmp_path, "trainer", {"weights": bind(weights, cfg.transport, tmp_path, "trainer-weights")}
-    )
+    weights = BucketPublisher(cfg)
     state = load_model(ModelConfig(path=tiny_model_dir)).state_dict()
     consumed = []
     try:
@@ -87,11 +82,11 @@ def test_buffer_generators_and_consumer_survive_a_generator_kill(tmp_path, tiny_
                 (step, s.group_id, s.sample_index, s.versions, s.loss_mask) for s in batch.samples
             ]
             # Publish "new" weights (same values) as version step+1, then announce it.
-            weights.send_multipart(encode_tensors(step + 1, "it", state))
+            weights.publish(step + 1, FullParameters.of(state))
             client.announce_version(step + 1)
     finally:
         client.close()
-        ctx.destroy(linger=0)
+        weights.close()
         for proc in procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

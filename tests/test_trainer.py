@@ -4,9 +4,6 @@ change the numbers (TRL-style invariants)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,10 +16,8 @@ from asyncrl.trainer.core import TrainerCore, lr_lambda
 from asyncrl.trainer.dist import init_distributed
 from asyncrl.trainer.packing import first_fit_decreasing, make_micro_batches
 
-from .conftest import full_grads, wait_for_ranks
-from .fsdp_worker import loss_fn, synthetic_sequences
-
-HERE = Path(__file__).resolve().parent
+from .conftest import full_grads
+from .fsdp_worker import loss_fn, run_ranks, synthetic_sequences
 
 
 @pytest.fixture(scope="module")
@@ -108,41 +103,13 @@ def test_packed_loss_and_grads_equal_each_sequence_alone(dist_info, tiny_model_d
         torch.testing.assert_close(packed_grads[name], p.grad, atol=1e-6, rtol=1e-4, msg=name)
 
 
-def _run_ranks(world: int, model_dir: str, tmp_path: Path, steps: int = 3) -> dict:
-    out = tmp_path / f"result_{world}.pt"
-    rdv = tmp_path / f"rdv_{world}"
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
-        env.pop("MASTER_ADDR", None)
-        procs.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    str(HERE / "fsdp_worker.py"),
-                    model_dir,
-                    str(out),
-                    str(rdv),
-                    str(steps),
-                    "128",
-                ],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    wait_for_ranks(procs)
-    return torch.load(out)
-
-
 def test_fsdp_two_ranks_equal_one_rank(tiny_model_dir, tmp_path):
     """Tolerance: losses within 1e-5 relative; weights after 3 AdamW steps (lr 1e-2)
     within 5e-5 absolute, while those steps move weights by ~3e-2. Only the summation
     order differs between the runs, and Adam's normalization amplifies it on tiny
     gradients (measured max difference: 1.1e-5)."""
-    one = _run_ranks(1, tiny_model_dir, tmp_path)
-    two = _run_ranks(2, tiny_model_dir, tmp_path)
+    one = run_ranks(1, tiny_model_dir, tmp_path)
+    two = run_ranks(2, tiny_model_dir, tmp_path)
     assert one["losses"] == pytest.approx(two["losses"], rel=1e-5)
     assert one["losses"][0] != pytest.approx(one["losses"][-1], rel=1e-3)  # it did train
     assert one["state"].keys() == two["state"].keys()

@@ -32,6 +32,10 @@ class KVCache:
         self.k[:, dst, :, :length] = self.k[:, src, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
     @classmethod
     def allocate(cls, model: PreTrainedModel, slots: int, max_len: int) -> KVCache:
         cfg = model.config
@@ -72,6 +76,29 @@ class CachedDecoder:
         check_supported(model)
         self.model = model
         self.apply_rope = importlib.import_module(type(model).__module__).apply_rotary_pos_emb
+
+    def adopt(self, state_dict) -> None:
+        """Take the offered tensors as the weights instead of copying them (the caller hands
+        them over): a pointer swap per parameter, plus a conversion only where dtype or
+        device differ. Staging then holds the GIL for microseconds, never long enough to
+        stall the decode thread."""
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                tensor = state_dict[name]
+                if tensor.dtype != param.dtype or tensor.device != param.device:
+                    tensor = tensor.to(device=param.device, dtype=param.dtype, non_blocking=True)
+                param.data = tensor.contiguous()
+
+    def release(self) -> None:
+        """Free the weights: each parameter keeps its dtype and device, with no elements
+        (a tied one once); new weights are adopted by reference, as when staged."""
+        with torch.no_grad():
+            for param in self.model.parameters():
+                param.data = param.new_empty(0)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.model.parameters())
 
     def _attention_inputs(self, layer, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         attn = layer.self_attn

@@ -17,6 +17,12 @@ decoding goes on with the active one; the next ``step`` swaps the two by referen
 flip costs no copy on the decode path. In-flight sequences then follow ``flip_policy``:
 ``keep`` (the default) continues on the old cache, ``recompute`` re-prefills their tokens
 under the new weights (AReaL's interruptible generation).
+
+An engine that shares its process with a trainer (the colocated placement, evaluation
+on rank 0) gives its memory back while the trainer works: ``release_memory`` frees the
+KV cache and both copies of the weights, ``load_weights`` then ``resume_memory`` take
+them back (the hybrid-engine pattern). ``released=True`` starts an engine that way,
+without reading the weights from disk.
 """
 
 from __future__ import annotations
@@ -26,46 +32,16 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
 from asyncrl.engine.base import EngineStatus, Finished, GeneratedToken, Request, StepOutput, Weights
+from asyncrl.engine.config import EmbeddedEngineConfig
 from asyncrl.engine.decoder import CachedDecoder, KVCache
 from asyncrl.engine.sampling import sample
 from asyncrl.engine.servers import read_weights_dir
 from asyncrl.engine.stops import StopChecker
-from asyncrl.models import ModelConfig, load_model
-
-
-@dataclass
-class EmbeddedEngineConfig:
-    """The embedded engine's settings (``engine.embedded.*``)."""
-
-    max_slots: int = 64
-    """Sequences decoded together (KV-cache slots)."""
-    max_seq_len: int = 0
-    """Longest prompt + completion; 0 means the model's ``max_position_embeddings``."""
-    max_prefill_tokens: int = 2048
-    """Prompt tokens admitted (prefilled) in one step; a prompt identical to one admitted
-    in the same step counts once (see ``share_prefill``)."""
-    share_prefill: bool = True
-    """Requests admitted in one step with identical tokens (a GRPO group's samples of one
-    prompt) are prefilled once: the others get a copy of its K/V and sample their first
-    token from its logits. Off prefills each, for the equivalence test and the ablation."""
-    flip_policy: Literal["recompute", "keep"] = "keep"
-    """What in-flight sequences do when new weights are flipped in. ``keep`` continues on
-    the K/V cached under the weights they were computed with (PipelineRL, PRIME-RL, SkyRL):
-    a flip costs no step time, and every token carries the version that sampled it, which
-    the decoupled loss corrects for. ``recompute`` re-prefills every running sequence under
-    the new weights (AReaL): one step that costs a prefill of everything in flight, which
-    grows with completion length. docs/results.md compares the two on learning."""
-    threads: int = 0
-    """torch intra-op threads; 0 leaves torch's default."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Where the engine runs; auto picks CUDA when available."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype of weights and KV cache."""
+from asyncrl.models import ModelConfig, empty_model, load_model, weightless_model
 
 
 @dataclass
@@ -93,7 +69,12 @@ class _Counters:
 
 class EmbeddedEngine:
     def __init__(
-        self, model_path: str, cfg: EmbeddedEngineConfig | None = None, version: int = 0
+        self,
+        model_path: str,
+        cfg: EmbeddedEngineConfig | None = None,
+        version: int = 0,
+        *,
+        released: bool = False,
     ) -> None:
         self.cfg = cfg = cfg or EmbeddedEngineConfig()
         if cfg.threads > 0:
@@ -102,11 +83,21 @@ class EmbeddedEngine:
         self.device = torch.device("cuda" if use_cuda else "cpu")
         model_cfg = ModelConfig(path=model_path, dtype=cfg.dtype)
         # Two copies of the weights: the active one decodes, the idle one receives updates.
-        self._active = CachedDecoder(load_model(model_cfg, self.device).eval())
-        self._idle = CachedDecoder(load_model(model_cfg, self.device).eval())
+        # Released, both are empty until weights are loaded.
+        for copy in ("_active", "_idle"):
+            model = (
+                weightless_model(model_cfg, self.device)
+                if released
+                else load_model(model_cfg, self.device).eval()
+            )
+            setattr(self, copy, CachedDecoder(model))
+        self.shapes = {name: p.shape for name, p in empty_model(model_cfg).named_parameters()}
+        """Each weight's shape, by name (a tied weight under its first name)."""
         config = self._active.model.config
         self.max_seq_len = cfg.max_seq_len or config.max_position_embeddings
-        self.cache = KVCache.allocate(self._active.model, cfg.max_slots, self.max_seq_len)
+        self.cache: KVCache | None = None
+        if not released:
+            self.cache = KVCache.allocate(self._active.model, cfg.max_slots, self.max_seq_len)
         eos = self._active.model.generation_config.eos_token_id
         if eos is None:
             eos = config.eos_token_id
@@ -124,6 +115,7 @@ class EmbeddedEngine:
         self._cond = threading.Condition()
         self._incoming: tuple[Mapping[str, torch.Tensor], int] | None = None
         self._ready: int | None = None
+        self._staging = False  # the thread holds an offer it has not yet made ready
         self._closed = False
         self._stager = threading.Thread(target=self._stage_loop, name="weight-stager", daemon=True)
         self._stager.start()
@@ -162,7 +154,7 @@ class EmbeddedEngine:
         caller's thread. The engine flips to them at the next step boundary; with ``wait``,
         it flips now, once they are staged (see ``load_weights``)."""
         state_dict = weights if isinstance(weights, Mapping) else read_weights_dir(weights)
-        expected = {name: p.shape for name, p in self._idle.model.named_parameters()}
+        expected = self.shapes
         # Tied weights (lm_head = embed_tokens) appear twice in a state dict; accept both.
         unknown = sorted(set(state_dict) - set(self._idle.model.state_dict()))
         missing = sorted(set(expected) - set(state_dict))
@@ -189,6 +181,8 @@ class EmbeddedEngine:
     def step(self) -> StepOutput:
         start = time.perf_counter()
         self._maybe_flip()
+        if self.cache is None and (self.waiting or self.slots):
+            raise RuntimeError("the engine's memory is released: load_weights, resume_memory")
         tokens: list[GeneratedToken] = []
         finished, self._aborted = self._aborted, []
         decoding = list(self.slots)  # slots 0 … n-1
@@ -224,19 +218,40 @@ class EmbeddedEngine:
             "engine/free_slots": free,
             "engine/version": self.version,
             "engine/staged_version": staged,
-            "engine/steps": c.steps,
-            "engine/tokens": c.tokens,
-            "engine/prefill_tokens": c.prefill_tokens,
-            "engine/shared_prefill_tokens": c.shared_prefill_tokens,
-            "engine/finished": c.finished,
-            "engine/aborted": c.aborted,
-            "engine/flips": c.flips,
-            "engine/recomputed_tokens": c.recomputed_tokens,
-            "engine/last_step_ms": c.last_step_ms,
         }
+        metrics |= {f"engine/{k}": v for k, v in vars(c).items() if k != "reasons"}
         return EngineStatus(
             running, waiting, free, self.version, staged, c.tokens, c.prefill_tokens, metrics
         )
+
+    # ---- memory, for a process shared with a trainer -------------------------------------
+    def release_memory(self) -> None:
+        """Free the KV cache and both copies of the weights (each parameter keeps its
+        dtype and device, with no elements). The engine must be idle, with no weights
+        being staged; ``load_weights`` then ``resume_memory`` make it decode again."""
+        with self._cond:
+            staging = self._incoming is not None or self._staging or self._ready is not None
+        if staging or not self.idle:
+            raise RuntimeError("release_memory needs an idle engine with no weights staging")
+        self.cache = None
+        self._active.release()
+        self._idle.release()
+
+    def resume_memory(self) -> None:
+        """Allocate the KV cache again after ``release_memory``, once ``load_weights`` has
+        put weights into the active copy (the idle one stays empty until the next
+        staging fills it)."""
+        params = dict(self._active.model.named_parameters())
+        if any(params[name].shape != shape for name, shape in self.shapes.items()):
+            raise RuntimeError("resume_memory needs weights: call load_weights first")
+        if self.cache is None:
+            self.cache = KVCache.allocate(self._active.model, self.cfg.max_slots, self.max_seq_len)
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes the engine holds in weights (both copies) and KV cache."""
+        cache = self.cache.nbytes if self.cache is not None else 0
+        return self._active.nbytes + self._idle.nbytes + cache
 
     def close(self) -> None:
         with self._cond:
@@ -346,24 +361,13 @@ class EmbeddedEngine:
                 if self._closed:
                     return
                 state_dict, version = self._incoming
-                self._incoming = None
+                self._incoming, self._staging = None, True
                 target = self._idle
-            with torch.no_grad():
-                # Adopt the offered tensors instead of copying them (the caller hands them
-                # over): staging is a pointer swap per parameter, plus a conversion only
-                # where dtype or device differ. The thread is then busy for microseconds, so
-                # it never holds the GIL long enough to stall the decode thread.
-                for name, param in target.model.named_parameters():
-                    tensor = state_dict[name]
-                    if tensor.dtype != param.dtype or tensor.device != param.device:
-                        tensor = tensor.to(
-                            device=param.device, dtype=param.dtype, non_blocking=True
-                        )
-                    param.data = tensor.contiguous()
+            target.adopt(state_dict)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             with self._cond:
-                self._ready = version
+                self._ready, self._staging = version, False
                 self._cond.notify_all()  # load_weights may be waiting for it
 
     def _flip_when_staged(self, version: int) -> None:

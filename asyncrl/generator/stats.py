@@ -206,6 +206,11 @@ class GeneratorStats:
             self._arrived[version] = arrived
             self.weights_received += 1
 
+    def weight_timings(self) -> tuple[list[float], list[float]]:
+        """Seconds from arrival to staged, and to flipped in, of every update so far."""
+        with self._lock:
+            return list(self._total.stage_s), list(self._total.flip_s)
+
     def weights_dropped(self) -> None:
         with self._lock:
             self._receiving = False

@@ -37,7 +37,9 @@ from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.remote import RemoteEngine
 from asyncrl.episodes.driver import EpisodeDriver
 from asyncrl.generator.stats import GeneratorStats
+from asyncrl.generator.weights import WeightsIntake
 from asyncrl.interfaces import Engine
+from asyncrl.launcher.supervise import AliveMark
 from asyncrl.metrics import MetricsLogger
 from asyncrl.rollout import PendingLease, RolloutConfig, lease_request, record_tokens
 from asyncrl.stages.fit import fit_context
@@ -49,10 +51,7 @@ from asyncrl.wire import (
     LeaseGrant,
     LeaseRequest,
     LeaseRevoked,
-    WeightsAnnounce,
-    WeightsOnDisk,
     WireDecoder,
-    decode_tensors,
     encode,
 )
 
@@ -72,10 +71,8 @@ class GeneratorWorker:
         self.dealer = client_socket(self.ctx, zmq.DEALER, t, cfg.run_dir, identity=worker_id)
         self.dealer.connect(endpoints["leases"])
         self.decoder = WireDecoder(cfg.run_id)
-        self.weights_decoder = WireDecoder(cfg.run_id, expected=WeightsAnnounce | WeightsOnDisk)
         self.pending: dict[str, PendingLease] = {}
         self.asked = 0.0  # when the unanswered LeaseRequest went out (0: none is out)
-        self.lineage = ""  # of the weights we run (see WeightsAnnounce.lineage)
         self.stop_event = threading.Event()
         self.tokens_sent = 0
         self.leases_aborted = 0  # taken back by the buffer while this generator held them
@@ -88,11 +85,13 @@ class GeneratorWorker:
         self.episodes: EpisodeDriver | None = None
         if cfg.task.environment:  # multi-turn: each lease is an episode
             self.episodes = EpisodeDriver(cfg, engine, self.pending, self._send_now)
-        self._weights = threading.Thread(target=self._receive_weights, name="weights", daemon=True)
-        self._weights.start()
+        self.weights = WeightsIntake(cfg, worker_id, engine, self.stats, self.ctx, self.stop_event)
 
     def run(self) -> None:
         last_beat, last_log, turn_start = 0.0, time.time(), time.perf_counter()
+        # The launcher restarts a generator whose loop stops turning (frozen, wedged): weights
+        # stage on their own thread, so a turn never waits for a transfer.
+        alive = AliveMark()
         try:
             while not self.stop_event.is_set():
                 self._ask_for_leases()
@@ -104,6 +103,7 @@ class GeneratorWorker:
                     self._step()
                 now = time.time()
                 self._flush(now, force=False)
+                alive.touch(now)
                 turn_start = self._end_turn(turn_start, stepped)
                 if now - last_beat >= self.cfg.transport.heartbeat_s:
                     self._heartbeat()
@@ -115,7 +115,7 @@ class GeneratorWorker:
             self.stop_event.set()
             if self.episodes is not None:
                 self.episodes.close()
-            self._weights.join(timeout=5)
+            self.weights.join(timeout=5)
             self._close_metrics()
             self.ctx.destroy(linger=0)
 
@@ -275,7 +275,7 @@ class GeneratorWorker:
 
     def _heartbeat(self) -> None:
         status = self.engine.status()
-        bad = sum(self.decoder.errors.values()) + sum(self.weights_decoder.errors.values())
+        bad = sum(self.decoder.errors.values()) + sum(self.weights.decoder.errors.values())
         beat = Heartbeat(
             run_id=self.cfg.run_id,
             worker_id=self.worker_id,
@@ -288,63 +288,10 @@ class GeneratorWorker:
                 "bad_frames": float(bad),
                 "leases_aborted": float(self.leases_aborted),
                 "requests_refused": float(self.requests_refused),
+                "weights_anchors_asked": float(self.weights.anchors_asked),
             },
         )
         self.push.send(encode(beat))
-
-    # ---- weights -------------------------------------------------------------------
-    def _receive_weights(self) -> None:
-        """Subscribe to the trainer's weights once it has published its endpoint, and again
-        whenever that endpoint changes (a restarted trainer binds anew)."""
-        endpoint = None
-        while not self.stop_event.is_set():
-            endpoints = read_endpoints(self.cfg.run_dir, "trainer", timeout_s=1.0)
-            if endpoints is None or endpoints["weights"] == endpoint:
-                continue
-            endpoint = endpoints["weights"]
-            t = self.cfg.transport
-            sub = client_socket(
-                self.ctx, zmq.SUB, t, self.cfg.run_dir, max_message_bytes=t.max_weights_bytes
-            )
-            sub.setsockopt(zmq.SUBSCRIBE, b"")
-            sub.connect(endpoint)
-            last_check = time.monotonic()
-            while not self.stop_event.is_set():
-                if sub.poll(200):
-                    self._on_weights(sub.recv_multipart(copy=False))
-                if time.monotonic() - last_check > 2.0:
-                    last_check = time.monotonic()
-                    now = read_endpoints(self.cfg.run_dir, "trainer", timeout_s=0.0)
-                    if now is not None and now["weights"] != endpoint:
-                        break
-            sub.close(linger=0)
-
-    def _on_weights(self, frames) -> None:
-        decoder = self.weights_decoder
-        arrived = self.stats.weights_arriving()
-        announce = decoder.try_decode(frames[0].buffer, "weights socket")
-        if announce is None:
-            self.stats.weights_dropped()
-            return
-        # A new lineage (a trainer restarted from a checkpoint) is taken whatever its
-        # version; from the same trainer, only newer versions (republishes are for late
-        # joiners).
-        same = announce.lineage == self.lineage
-        if same and announce.version <= self.engine.status().version:
-            self.stats.weights_dropped()
-            return
-        try:
-            if isinstance(announce, WeightsOnDisk):  # a directory the engine reads
-                weights = announce.path
-            else:
-                weights = decode_tensors(announce, [f.buffer for f in frames[1:]])
-            self.engine.stage_weights(weights, announce.version)
-        except Exception as e:  # a bad update is counted and dropped, never fatal
-            decoder.count("frames", str(e))
-            self.stats.weights_dropped()
-            return
-        self.lineage = announce.lineage
-        self.stats.weights_offered(announce.version, arrived)
 
 
 def make_engine(cfg: RolloutConfig, model_path: str, worker_id: str) -> Engine:

@@ -9,9 +9,11 @@ like ``ZmqWeightPublisher``; both Protocols in ``asyncrl.interfaces``), so the R
 state machine (``RolloutBuffer``) with the buffer's ``Scoring``: leases, groups, dynamic
 sampling, staleness accounting and rewards are the same code as in the async placement;
 only the sockets and the processes are gone. ``request_batch`` decodes until the step's
-batch is complete; while the trainer trains, nothing decodes; ``publish`` then flips the
-new weights into the engine before the next rollout, so every token is on-policy
-(staleness 0, ``max_staleness`` is 0 here by construction).
+batch is complete; while the trainer trains, nothing decodes and the engine has given
+back its KV cache and its weights (``EmbeddedEngine.release_memory``, the hybrid-engine
+pattern); ``publish`` then puts the new weights into the engine and takes the cache back
+before the next rollout, so every token is on-policy (staleness 0, ``max_staleness`` is
+0 here by construction).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from asyncrl.buffer.core import RolloutBuffer
 from asyncrl.buffer.scoring import Scoring, buffer_counters
 from asyncrl.engine.base import StepOutput
 from asyncrl.engine.embedded import EmbeddedEngine
-from asyncrl.interfaces import Engine
+from asyncrl.interfaces import FullParameters
 from asyncrl.metrics import MetricsLogger
 from asyncrl.rollout import PendingLease, TaskPrompts, lease_request, record_tokens
 from asyncrl.stages.common import threads_for
@@ -96,7 +98,7 @@ class ColocatedRollout:
         # Both phases share the process's threads; the engine must not pin its own count.
         torch.set_num_threads(colocated_threads(cfg))
         engine_cfg = replace(cfg.engine.embedded, threads=0, device=info.device.type)
-        self.engine: Engine = EmbeddedEngine(cfg.model.path, engine_cfg)
+        self.engine = EmbeddedEngine(cfg.model.path, engine_cfg)
         prompts = TaskPrompts(build_task(cfg.task), cfg.model.path, cfg.seed)
         self.scoring = Scoring(rollout)
         self.buffer = RolloutBuffer(
@@ -144,6 +146,8 @@ class ColocatedRollout:
         self.served_at = time.perf_counter()
         self.step_timing.generate_s += self.served_at - start
         self.step_timing.tokens += self.engine.status().tokens - tokens_before
+        if self.engine.idle:  # else sequences of a later step hold its cache
+            self.engine.release_memory()  # the trainer's step gets the memory
         return Batch(run_id=self.run_id, step=step, rank=self.rank, samples=samples)
 
     def announce_version(self, version: int, resumed: bool = False) -> None:
@@ -156,14 +160,15 @@ class ColocatedRollout:
         """Nothing to keep: this process's buffer dies with the trainer it serves."""
 
     # ---- the WeightPublisher -----------------------------------------------------------
-    def publish(self, version: int, state: dict[str, torch.Tensor]) -> float:
+    def publish(self, version: int, params: FullParameters) -> float:
         """Flip the engine to ``version`` now (it is idle while the trainer trains); the
-        engine adopts the tensors of ``state``. Returns the seconds it took."""
+        engine adopts copies of ``params``. Returns the seconds it took."""
         start = time.perf_counter()
         if self.served_at is not None:  # the trainer's share of this step
             self.step_timing.train_s += start - self.served_at
             self.served_at = None
-        self.engine.stage_weights(state, version, wait=True)
+        self.engine.stage_weights(params.state_dict(), version, wait=True)
+        self.engine.resume_memory()
         took = time.perf_counter() - start
         self.step_timing.load_weights_s += took
         if self.step_timing.generate_s:  # not the load of a resumed checkpoint

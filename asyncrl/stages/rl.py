@@ -29,7 +29,7 @@ from pathlib import Path
 from asyncrl.buffer.client import BufferClient
 from asyncrl.interfaces import BatchSource, WeightPublisher
 from asyncrl.metrics import MetricsLogger
-from asyncrl.models import load_model, load_tokenizer
+from asyncrl.models import load_tokenizer
 from asyncrl.stages.advantages import Advantages, make_advantages
 from asyncrl.stages.colocated import ColocatedRollout
 from asyncrl.stages.common import out_of_time, stage_clock, stage_main
@@ -54,7 +54,7 @@ from asyncrl.trainer.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from asyncrl.trainer.core import StepStats, TrainerCore
+from asyncrl.trainer.core import StepStats, TrainerCore, frozen_model
 from asyncrl.trainer.dist import DistInfo, all_reduce_max
 from asyncrl.trainer.publish import NoWeightPublisher, weight_publisher
 from asyncrl.wire import Batch, Sample
@@ -69,8 +69,8 @@ def run(cfg: RLExperiment, info: DistInfo, source: BatchSource | None = None) ->
     r = setup(cfg, info, source)
     core, accuracy = r.core, resume_or_evaluate(r, cfg)
     initial = accuracy.get("eval/accuracy")
-    # A frozen, unsharded copy of the starting policy on every rank when the loss has a KL term.
-    reference = load_model(cfg.model, info.device).eval() if cfg.rl.loss.kl_coef else None
+    # A frozen copy of the starting policy, sharded over the ranks, when the loss has a KL term.
+    reference = frozen_model(cfg.model, info) if cfg.rl.loss.kl_coef else None
     temperature = max(cfg.sampling.temperature, 1e-6)
     loss_fn, stop = policy_loss(cfg, temperature), False
     while core.step < cfg.rl.max_steps and not stop:
@@ -94,7 +94,7 @@ def run(cfg: RLExperiment, info: DistInfo, source: BatchSource | None = None) ->
             stats = frozen_policy_stats(core, micro)
         guarded = r.guard.end_step()  # a warning, or the last good weights back (rollback)
         # 5. publish version v+1 to the generators and announce it to the buffer
-        sync_s = r.publisher.publish(core.step + 1, core.full_state_dict())
+        sync_s = r.publisher.publish(core.step + 1, core.full_parameters(core.step + 1))
         if info.is_main:
             r.source.announce_version(core.step + 1)
         estimates |= r.advantages.after_publish(micro)  # generators need not wait for it
@@ -178,7 +178,7 @@ def resume_or_evaluate(r: RLParts, cfg: RLExperiment) -> dict:
     if accuracy:
         r.log.log(core.step, accuracy)
     if core.step > 0:
-        r.publisher.publish(core.step, core.full_state_dict())  # every rank gathers
+        r.publisher.publish(core.step, core.full_parameters())  # every rank gathers
     if core.info.is_main:
         # Resumed, also at 0: the buffer serves again the batches of steps this trainer
         # has yet to take, which an earlier trainer process of the run may have taken.

@@ -19,6 +19,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from asyncrl.algorithms.advantages import (
     grpo_advantages,
@@ -29,10 +30,15 @@ from asyncrl.algorithms.advantages import (
 from asyncrl.algorithms.losses import PPOLossConfig, kl_estimate, ppo_loss, token_entropy
 from asyncrl.stages.critic import reward_on_last_token
 from asyncrl.stages.guard import entropy_for_the_guard
-from asyncrl.trainer.core import StepStats, TrainerCore
+from asyncrl.trainer.core import StepStats, TrainerCore, micro_batch_logits
 from asyncrl.trainer.dist import all_reduce_max, all_reduce_sum
 from asyncrl.trainer.logprobs import token_logprobs
-from asyncrl.trainer.packing import MicroBatch, TokenSequence, make_micro_batches
+from asyncrl.trainer.packing import (
+    MicroBatch,
+    TokenSequence,
+    dummy_micro_batch,
+    make_micro_batches,
+)
 from asyncrl.wire import Sample
 
 
@@ -186,18 +192,24 @@ def add_reference_logprobs(
 ) -> None:
     """Store the frozen reference's logprobs ``[rows, T]`` as each micro-batch's
     ``reference`` field (the KL term's, in the loss or in the rewards); no grad. The
-    reference is unsharded, so each rank computes only its own micro-batches."""
+    reference is sharded like the policy (``frozen_model``), so every rank calls this and
+    runs as many forwards as the rank with the most micro-batches, on empty ones past its
+    own (FSDP gathers each layer from all ranks); an unsharded module works as well."""
+    count = all_reduce_max(len(micro), device)
+    # Token 0 of the padding is any id: its logits are thrown away.
+    padding = [dummy_micro_batch(0, []) for _ in range(count - len(micro))]
     with torch.no_grad():
-        for mb in micro:
+        for i, mb in enumerate(micro + padding):
             moved = mb.to(device)
-            logits = reference(
-                input_ids=moved.input_ids,
-                position_ids=moved.position_ids,
-                attention_mask=moved.attention_mask,
-                use_cache=False,
-            ).logits
-            logits = moved.align_logits(logits)
-            mb.fields["reference"] = token_logprobs(logits, moved.input_ids, temperature).cpu()
+            logits = micro_batch_logits(reference, moved)
+            if i < len(micro):
+                logprobs = token_logprobs(logits, moved.input_ids, temperature)
+                mb.fields["reference"] = logprobs.cpu()
+    if isinstance(reference, FSDPModule):
+        # FSDP keeps the root's parameters gathered after a forward for the backward, which
+        # a reference never runs: without this it would hold its whole root unit (the
+        # embedding and LM head) through the policy's update.
+        reference.reshard()
 
 
 def penalize_kl_in_rewards(micro: list[MicroBatch], cfg: PPOLossConfig) -> None:

@@ -153,6 +153,7 @@ class RLExperiment:
             self.rl.loss.check()
             self.rl.guard.check()
             self.reward.check()
+            self.transport.weights.check()
             # Imports the user's reward modules now, so a bad one fails before any process.
             check_rewards(self.task)
             check_environment(self.task)

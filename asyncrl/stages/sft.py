@@ -25,6 +25,7 @@ from asyncrl.episodes.evaluate import episode_accuracy
 from asyncrl.evaluation import (
     EvalConfig,
     greedy_accuracy,
+    holding_weights,
     make_eval_engine,
     tokenize_prompts,
 )
@@ -151,7 +152,7 @@ def ensure_model(cfg: SFTExperiment, task: Task, info: DistInfo) -> None:
 
 class Evaluator:
     """Greedy held-out accuracy on rank 0: the gathered weights go into an embedded engine
-    of its own (two plain copies of the weights on rank 0's device, beside the shard)."""
+    of its own (one plain copy on rank 0's device, beside the shard, while it evaluates)."""
 
     def __init__(self, cfg: SFTExperiment, task: Task, info: DistInfo) -> None:
         self.cfg, self.task, self.info = cfg, task, info
@@ -162,25 +163,27 @@ class Evaluator:
             prompts = tokenize_prompts(self.tokenizer, task.config, self.examples)
             longest = max(len(p) for p in prompts)
             episode = task.config.max_episode_tokens if task.config.environment else None
-            self.engine = make_eval_engine(cfg.model, cfg.eval, longest, info.device, episode)
+            self.engine = make_eval_engine(
+                cfg.model, cfg.eval, longest, info.device, episode, released=True
+            )
 
     def __call__(self, core: TrainerCore) -> dict[str, float]:
         full = core.full_state_dict()  # a collective: every rank joins
         result: dict[str, float] = {}
         if self.engine is not None:
-            self.engine.load_weights(full, core.step)
             e = self.cfg.eval
             score = episode_accuracy if self.task.config.environment else greedy_accuracy
-            result = score(
-                self.engine,
-                self.tokenizer,
-                self.task,
-                self.examples,
-                e.max_new_tokens,
-                stop=e.stop,
-                stop_token_ids=e.stop_token_ids,
-                keep_stop_text=e.keep_stop_text,
-            )
+            with holding_weights(self.engine, full, core.step) as engine:
+                result = score(
+                    engine,
+                    self.tokenizer,
+                    self.task,
+                    self.examples,
+                    e.max_new_tokens,
+                    stop=e.stop,
+                    stop_token_ids=e.stop_token_ids,
+                    keep_stop_text=e.keep_stop_text,
+                )
         barrier()
         return result
 

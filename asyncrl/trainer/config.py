@@ -63,6 +63,15 @@ class TrainerConfig:
     back to the previous."""
     resume: bool = True
     """Resume from the newest checkpoint in the run directory when there is one."""
+    activation_checkpointing: bool = False
+    """Keep only each decoder layer's input from the forward and recompute the layer in
+    the backward: activation memory drops to about one layer's, for one more forward of
+    the layers. Same loss and gradients (a test checks it). The logits and the loss over
+    them are not recomputed; ``micro_batch_tokens`` bounds those."""
+    cpu_offload: bool = False
+    """Keep parameter shards, gradients and the optimizer step in CPU memory between uses
+    (FSDP2's ``CPUOffloadPolicy``): accelerator memory for time on a GPU. A CPU trainer
+    refuses it with an error, since its memory is the CPU's already."""
     max_nonfinite_steps: int = 5
     """Stop the run after this many consecutive optimizer updates with a NaN/inf loss or
     gradient (with ``rl.update_epochs`` = N, a batch takes N updates)."""

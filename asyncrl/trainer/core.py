@@ -19,17 +19,26 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed._composable import checkpoint
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
+    set_model_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+)
 from transformers import PreTrainedModel
 
-from asyncrl.models import ModelConfig, load_model
+from asyncrl.interfaces import FullParameters
+from asyncrl.models import ModelConfig, empty_model, load_model, restore_buffers
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.dist import DistInfo, all_reduce_max, all_reduce_sum
 from asyncrl.trainer.packing import MicroBatch, dummy_micro_batch
+from asyncrl.trainer.readout import ParameterReadout
 
 LossFn = Callable[..., tuple]
 """``loss_fn(logits [rows, T, V], mb[, loss_input]) -> (loss_sum [], metric_sums[, output])``.
@@ -81,17 +90,69 @@ class StepStats:
     (empty when the loss returns two)."""
 
 
-def shard_model(model: PreTrainedModel, info: DistInfo) -> PreTrainedModel:
-    """``fully_shard`` each decoder layer, then the root; bf16 compute on CUDA."""
-    policy = MixedPrecisionPolicy()
+def shard_model(
+    model: PreTrainedModel, info: DistInfo, cfg: TrainerConfig | None = None
+) -> PreTrainedModel:
+    """``fully_shard`` each decoder layer, then the root; bf16 compute on CUDA. With
+    ``cfg.activation_checkpointing`` each layer recomputes its forward in the backward
+    (torch's composable ``checkpoint``: hooks, so parameter names do not change); with
+    ``cfg.cpu_offload`` the shards live on the CPU."""
+    cfg = cfg or TrainerConfig()
+    kwargs: dict[str, Any] = {"mesh": info.mesh, "mp_policy": MixedPrecisionPolicy()}
     if info.device.type == "cuda":
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    if cfg.cpu_offload:
+        if info.device.type != "cuda":
+            raise ValueError(
+                "trainer.cpu_offload keeps the shards in CPU memory between uses on an "
+                "accelerator; the trainer runs on the CPU here, where it would change nothing"
+            )
+        kwargs["offload_policy"] = CPUOffloadPolicy()
     layer_types = set(getattr(model, "_no_split_modules", None) or [])
     for module in model.modules():
         if type(module).__name__ in layer_types:
-            fully_shard(module, mesh=info.mesh, mp_policy=policy)
-    fully_shard(model, mesh=info.mesh, mp_policy=policy)
+            if cfg.activation_checkpointing:
+                checkpoint(module)
+            fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
     return model
+
+
+def sharded_model(
+    model_cfg: ModelConfig, info: DistInfo, cfg: TrainerConfig | None = None
+) -> PreTrainedModel:
+    """``model_cfg``'s model, sharded, with only this rank's shards ever allocated: rank
+    0 reads the weights (``load_model``, so a value head missing from the directory starts
+    at zero as there) and sends each rank its shards; every rank builds the model on the
+    meta device, shards it and allocates its shards. Its values equal ``load_model``'s."""
+    full = load_model(model_cfg).state_dict() if info.is_main else {}
+    model = shard_model(empty_model(model_cfg), info, cfg)
+    model.to_empty(device=info.device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full, options=options)
+    del full
+    restore_buffers(model, info.device)
+    return model
+
+
+def micro_batch_logits(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+    """``model``'s logits ``[rows, T, V]`` of one micro-batch (packed, padded or with
+    shared prefixes, realigned by ``MicroBatch.align_logits``); V = 1 for a value head."""
+    out = model(
+        input_ids=mb.input_ids,
+        position_ids=mb.position_ids,
+        attention_mask=mb.attention_mask,
+        use_cache=False,  # with no cache, packed position ids give a block-diagonal mask
+    )
+    return mb.align_logits(out.logits)
+
+
+def frozen_model(model_cfg: ModelConfig, info: DistInfo) -> PreTrainedModel:
+    """A sharded model without gradients (RL's KL reference): every rank holds its shards
+    only, and every rank must run each forward together (FSDP gathers each layer)."""
+    return sharded_model(model_cfg, info).requires_grad_(False)
 
 
 def param_groups(model: torch.nn.Module, cfg: OptimConfig) -> list[dict]:
@@ -115,8 +176,9 @@ class TrainerCore:
         pad_id: int,
     ) -> None:
         self.cfg, self.optim_cfg, self.info, self.pad_id = trainer_cfg, optim_cfg, info, pad_id
-        self.model = shard_model(load_model(model_cfg, info.device), info)
+        self.model = sharded_model(model_cfg, info, trainer_cfg)
         self.model_cfg = model_cfg
+        self.readout = ParameterReadout(self.model)
         self.optimizer = torch.optim.AdamW(
             param_groups(self.model, optim_cfg),
             lr=optim_cfg.lr,
@@ -147,13 +209,7 @@ class TrainerCore:
     def forward(self, mb: MicroBatch) -> torch.Tensor:
         """Logits ``[rows, T, V]`` of one micro-batch (packed, padded or with shared
         prefixes, realigned by ``MicroBatch.align_logits``); V = 1 for a value head."""
-        out = self.model(
-            input_ids=mb.input_ids,
-            position_ids=mb.position_ids,
-            attention_mask=mb.attention_mask,
-            use_cache=False,  # with no cache, packed position ids give a block-diagonal mask
-        )
-        return mb.align_logits(out.logits)
+        return micro_batch_logits(self.model, mb)
 
     def align(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
         """Pad the list with empty micro-batches up to the largest count over ranks."""
@@ -247,6 +303,7 @@ class TrainerCore:
             if self.step_check is not None and not self.step_check(loss, grad_norm, metrics):
                 self.optimizer.zero_grad(set_to_none=True)
                 return False
+            self.readout.wait()  # a publish still reading the weights
             self.optimizer.step()
             self.scheduler.step()
             return True
@@ -275,6 +332,11 @@ class TrainerCore:
         """Unsharded CPU state dict on rank 0 (empty elsewhere). Every rank must call it."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.model, options=options)
+
+    def full_parameters(self, version: int | None = None) -> FullParameters:
+        """The parameters unsharded one at a time, for a weights publish that may read
+        them on its own thread until the next optimizer step (``readout``)."""
+        return self.readout.full_parameters("" if version is None else f"of v{version}")
 
     @property
     def fsdp_module(self) -> FSDPModule:

@@ -1,11 +1,11 @@
 """Weight publication from trainer rank 0 to the generators (DESIGN §5). Three transports,
 each an ``asyncrl.interfaces.WeightPublisher`` (``publish``, ``republish``, ``close``);
 ``weight_publisher`` picks one from the config, and the other ranks get a
-``NoWeightPublisher``:
+``NoWeightPublisher`` (they only join the gathers):
 
-- ``ZmqWeightPublisher`` (embedded engines): the full state, gathered to rank 0, sent as raw
-  ZeroMQ frames on a PUB socket, one message per version; each generator stages them
-  into its engine's idle copy.
+- ``BucketPublisher`` (embedded engines; ``asyncrl.weights``): fixed-size buckets on a PUB
+  socket, deltas between anchors, each checked; each generator rebuilds the version and
+  stages it into its engine's idle copy.
 - ``DiskWeightPublisher`` (remote engines, ``engine.remote.weight_update="disk"``, the
   default): rank 0 writes ``RUN_DIR/weights/vN/``, a Hugging Face directory, and announces
   version and path (``WeightsOnDisk``) on the same PUB socket; each generator has its
@@ -21,12 +21,13 @@ each an ``asyncrl.interfaces.WeightPublisher`` (``publish``, ``republish``, ``cl
 
 from __future__ import annotations
 
+import collections
 import inspect
 import json
 import logging
-import os
 import re
 import shutil
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +38,7 @@ import torch
 import zmq
 
 from asyncrl.engine.servers import free_port, write_weights_dir
-from asyncrl.interfaces import WeightPublisher
+from asyncrl.interfaces import FullParameters, WeightPublisher
 from asyncrl.transport import (
     advertised_host,
     bind,
@@ -46,7 +47,8 @@ from asyncrl.transport import (
     server_socket,
     write_endpoints,
 )
-from asyncrl.wire import WeightsOnDisk, encode, encode_tensors
+from asyncrl.weights.sender import BucketPublisher, new_lineage
+from asyncrl.wire import WeightsOnDisk, encode
 
 log = logging.getLogger(__name__)
 
@@ -54,15 +56,10 @@ KEEP_VERSIONS = 2
 """Weight directories kept on disk; older ones are deleted after each publish."""
 
 
-def new_lineage() -> str:
-    """An id for this trainer process's weights (see ``WeightsAnnounce.lineage``)."""
-    return f"{os.getpid()}-{time.time_ns()}"
-
-
 def weight_publisher(cfg) -> WeightPublisher:
     """Rank 0's publisher for the generators' engine (``cfg`` is an ``RLExperiment``)."""
     if cfg.engine.backend == "embedded":
-        return ZmqWeightPublisher(cfg)
+        return BucketPublisher(cfg)
     if cfg.engine.remote.weight_update == "nccl":
         return NcclWeightPublisher(cfg)
     return DiskWeightPublisher(cfg)
@@ -78,42 +75,29 @@ def _pub_socket(cfg) -> tuple[zmq.Context, zmq.Socket]:
 
 
 class NoWeightPublisher:
-    """The publisher of trainer ranks other than 0: they join in gathering the full state
-    (a collective), and rank 0 sends it."""
+    """The publisher of trainer ranks other than 0: they join in gathering each parameter
+    (a collective on the readout's own group) on a thread of their own, as rank 0's
+    bucket sender does, and rank 0 sends them."""
 
-    def publish(self, version: int, state: dict[str, torch.Tensor]) -> float:
-        return 0.0
+    def __init__(self) -> None:
+        self.thread: threading.Thread | None = None
+
+    def publish(self, version: int, params: FullParameters) -> float:
+        start = time.perf_counter()
+        if self.thread is not None:
+            self.thread.join()  # versions are gathered in order, as on rank 0
+        self.thread = threading.Thread(
+            target=lambda: collections.deque(params.tensors, maxlen=0), daemon=True
+        )
+        self.thread.start()
+        return time.perf_counter() - start
 
     def republish(self) -> None:
         """Nothing was sent, so nothing to send again."""
 
     def close(self) -> None:
-        """Nothing to release."""
-
-
-class ZmqWeightPublisher:
-    """Rank 0's PUB socket: every generator receives each published version."""
-
-    def __init__(self, cfg) -> None:
-        self.ctx, self.sock = _pub_socket(cfg)
-        self.run_id, self.lineage = cfg.run_id, new_lineage()
-        self.last: tuple[int, dict[str, torch.Tensor]] | None = None
-
-    def publish(self, version: int, state: dict[str, torch.Tensor]) -> float:
-        start = time.perf_counter()
-        frames = encode_tensors(version, self.run_id, state, self.lineage)
-        self.sock.send_multipart(frames, copy=False)
-        self.last = (version, state)
-        return time.perf_counter() - start
-
-    def republish(self) -> None:
-        """Send the last version again: PUB drops messages for subscribers that were not
-        connected yet, so a generator restarted after the publish would never get it."""
-        if self.last is not None:
-            self.publish(*self.last)
-
-    def close(self) -> None:
-        close_context(self.ctx, linger=1000)
+        if self.thread is not None:
+            self.thread.join()
 
 
 class DiskWeightPublisher:
@@ -127,8 +111,10 @@ class DiskWeightPublisher:
         self.root = (Path(cfg.run_dir) / "weights").resolve()
         self.last: WeightsOnDisk | None = None
 
-    def publish(self, version: int, state: dict[str, torch.Tensor]) -> float:
+    def publish(self, version: int, params: FullParameters) -> float:
         start = time.perf_counter()
+        # No copies: the directory is written before the next optimizer step.
+        state = dict(params.tensors)
         path = write_weights_dir(state, self.model_path, self.root / f"v{version}")
         self.prune()
         self.last = WeightsOnDisk(
@@ -187,8 +173,9 @@ class NcclWeightPublisher:
         self.groups_made = 0
         self.last: tuple[int, dict[str, torch.Tensor]] | None = None
 
-    def publish(self, version: int, state: dict[str, torch.Tensor]) -> float:
+    def publish(self, version: int, params: FullParameters) -> float:
         start = time.perf_counter()
+        state = params.state_dict()  # kept for republish: copies
         urls = self._server_urls()
         if urls != self.urls:
             self._join(urls)
@@ -206,7 +193,8 @@ class NcclWeightPublisher:
         """Broadcast the last version again: a restarted generator's servers start from
         ``model.path`` and join a new group on the way."""
         if self.last is not None:
-            self.publish(*self.last)
+            version, state = self.last
+            self.publish(version, FullParameters.of(state))
 
     def close(self) -> None:
         if self.group is not None:

@@ -23,6 +23,8 @@ def restore_good_weights(
     cores = [core, *companions.values()]
     steps = [c.step for c in cores]
     schedules = [c.scheduler.state_dict() for c in cores]
+    for c in cores:
+        c.readout.wait()  # a publish still reading the weights
     load_checkpoint(core, path, companions)  # sets the steps and schedules of the checkpoint
     for c, step, schedule in zip(cores, steps, schedules):
         c.step = step
@@ -37,6 +39,7 @@ def restore_start_weights(
     """Load the run's starting weights (each core's ``model.path``) with a fresh optimizer
     state; the step counters and schedules stay; the policy's rate × ``lr_factor``."""
     for c in [core, *companions.values()]:
+        c.readout.wait()  # a publish still reading the weights
         full = load_model(c.model_cfg).state_dict()
         set_model_state_dict(c.model, full, options=StateDictOptions(full_state_dict=True))
         c.optimizer.state.clear()
