@@ -26,6 +26,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForTokenClassification,
+    GenerationConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
@@ -181,13 +182,16 @@ def empty_model(cfg: ModelConfig) -> PreTrainedModel:
     them), and no storage. The trainer shards it, allocates each rank's shards with
     ``to_empty`` and loads them; ``restore_buffers`` then recomputes what ``to_empty``
     left uninitialised. In eval mode, as ``from_pretrained`` leaves a model."""
-    model_dir(cfg)
+    path = model_dir(cfg)
     with torch.device("meta"):
         model = model_class(cfg).from_config(
             hf_config(cfg),
             dtype=getattr(torch, cfg.dtype),
             attn_implementation=cfg.attn_implementation,
         )
+    if (path / "generation_config.json").is_file():
+        # Its EOS ids, as from_pretrained reads them (an instruct model lists several).
+        model.generation_config = GenerationConfig.from_pretrained(str(path))
     return model.eval()
 
 

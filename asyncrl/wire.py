@@ -13,7 +13,8 @@ Who sends what:
     VersionAnnounce trainer -> buffer     the newest published weights version (or the
                                           version a restarted trainer resumes at)
     CheckpointAnnounce trainer -> buffer  the oldest checkpoint kept (older batches can go)
-    WeightsAnnounce trainer -> generators header of a weights update; raw tensor frames follow
+    WeightsAnnounce a whole state in one message, raw tensor frames following (what the
+                   weights benchmark compares the buckets against)
     WeightsBucket  trainer -> generators  one bucket of a version (anchor or delta), one frame
     AnchorRequest  generator -> trainer   "send the whole weights": missed a delta, bad checksum
 

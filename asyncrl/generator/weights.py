@@ -115,8 +115,9 @@ class WeightsIntake:
             self.receiver.expire(now)
         except NeedAnchor as e:
             self._ask(asks, str(e))
-        if self.receiver.waiting is not None and now - self.asked_at > ASK_EVERY_S:
-            self._ask(asks, self.receiver.waiting)
+        r = self.receiver  # an anchor on its way is left to arrive (or to expire)
+        if r.waiting is not None and r.partial is None and now - self.asked_at > ASK_EVERY_S:
+            self._ask(asks, r.waiting)
 
     def _ask(self, asks: zmq.Socket, why: str) -> None:
         if self.arrived is not None:

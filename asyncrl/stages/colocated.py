@@ -4,7 +4,7 @@ placement is compared against.
 
 ``ColocatedRollout`` stands in, inside the trainer process, for both the buffer process
 (a ``BatchSource``, like ``BufferClient``) and the generators (a ``WeightPublisher``,
-like ``ZmqWeightPublisher``; both Protocols in ``asyncrl.interfaces``), so the RL step in
+like ``BucketPublisher``; both Protocols in ``asyncrl.interfaces``), so the RL step in
 ``asyncrl.stages.rl`` runs unchanged. It owns an ``EmbeddedEngine`` and the buffer's own
 state machine (``RolloutBuffer``) with the buffer's ``Scoring``: leases, groups, dynamic
 sampling, staleness accounting and rewards are the same code as in the async placement;

@@ -19,6 +19,7 @@ import threading
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from asyncrl.interfaces import FullParameters
@@ -36,18 +37,16 @@ class ParameterReadout:
         if self.mesh is None and dist.is_initialized() and dist.get_world_size() > 1:
             group = dist.new_group(backend="gloo")
             self.mesh = DeviceMesh.from_group(group, "cpu")
+        # FSDP leaves the root unit gathered after a forward without backward (a proximal
+        # pass): its parameters are then its all-gather buffer, which the next forward
+        # frees. Reshard, so every parameter read is the rank's own shard.
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
         named = list(self.model.named_parameters())
-        done = threading.Event()
-        self.pending.append((label, done))
-
-        def gathered():
-            try:
-                for name, param in named:
-                    yield name, self._full(param.detach())
-            finally:
-                done.set()
-
-        return FullParameters([(n, p.dtype, p.shape) for n, p in named], gathered())
+        reading = _Reading(((n, self._full(p.detach())) for n, p in named), threading.Event())
+        self.pending.append((label, reading.done))
+        return FullParameters([(n, p.dtype, p.shape) for n, p in named], reading)
 
     def wait(self) -> None:
         """Block until every readout handed out has been read to its end (a publisher
@@ -70,3 +69,25 @@ class ParameterReadout:
             local, self.mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
         )
         return shard.full_tensor()
+
+
+class _Reading:
+    """An iterator over gathered parameters whose ``done`` is set once it is exhausted or
+    closed, also when it never started (a generator's ``finally`` would not run then)."""
+
+    def __init__(self, tensors, done: threading.Event) -> None:
+        self.tensors, self.done = tensors, done
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self.tensors)
+        except BaseException:
+            self.done.set()
+            raise
+
+    def close(self) -> None:
+        self.tensors.close()
+        self.done.set()

@@ -114,7 +114,12 @@ def apply_delta(target: torch.Tensor, payload, itemsize: int, compressed: bool) 
     """XOR a delta bucket's payload into ``target`` (the previous version's range).
     ``ValueError`` when the payload does not decompress to the range's size."""
     try:
-        raw = zlib.decompress(payload) if compressed else bytes(payload)
+        # Bounded: a corrupt or hostile payload never inflates past the range.
+        raw = (
+            zlib.decompressobj().decompress(payload, target.numel() + 1)
+            if compressed
+            else bytes(payload)
+        )
     except zlib.error as e:
         raise ValueError(f"delta does not decompress: {e}") from None
     if len(raw) != target.numel():

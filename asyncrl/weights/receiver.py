@@ -111,7 +111,8 @@ class WeightsReceiver:
 
     def _apply(self, bucket: WeightsBucket, payload) -> None:
         if self.layout is None or bucket.total != self.layout.total:
-            raise ValueError(f"{bucket.total} bytes for a layout of {self.layout.total}")
+            have = "no layout" if self.layout is None else f"a layout of {self.layout.total}"
+            raise ValueError(f"{bucket.total} bytes for {have}")
         if not 0 <= bucket.start < bucket.end <= bucket.total:
             raise ValueError(f"range {bucket.start}..{bucket.end} of {bucket.total}")
         target = self.flat[bucket.start : bucket.end]

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 
 def new_lineage() -> str:
-    """An id for this trainer process's weights (see ``WeightsAnnounce.lineage``)."""
+    """An id for this trainer process's weights (see ``WeightsBucket.lineage``)."""
     return f"{os.getpid()}-{time.time_ns()}"
 
 
@@ -51,6 +51,8 @@ class BucketPublisher:
         self.flats: list[torch.Tensor] = []
         self.cond = threading.Condition()
         self.job: tuple[int, int, FullParameters] | None = None  # version, buffer, source
+        self.filled = 0  # bytes of the job's buffer read so far (by the filler thread)
+        self.fill_error: BaseException | None = None
         self.sent: tuple[int, int] | None = None  # (version, buffer) sent last
         self.progress = ""  # what the sender is doing, for a timeout's message
         self.deltas_since_anchor = 0
@@ -83,6 +85,11 @@ class BucketPublisher:
         self._wait_idle()
 
     def close(self) -> None:
+        if self.layout is not None and self.failed is None:
+            try:
+                self._wait_idle()  # the last version is gathered by every rank: finish it
+            except TimeoutError as e:
+                log.warning("closing with a version unsent: %s", e)
         with self.cond:
             self.closed = True
             self.cond.notify_all()
@@ -94,7 +101,8 @@ class BucketPublisher:
         dtype = None if self.wcfg.dtype == "train" else getattr(torch, self.wcfg.dtype)
         specs = [(name, dtype or d, shape) for name, d, shape in params.specs]
         self.layout = Layout.of(specs)
-        self.flats = [torch.empty(self.layout.total, dtype=torch.uint8) for _ in range(2)]
+        # Zeros: the alignment padding is sent too, and must not carry stale memory.
+        self.flats = [torch.zeros(self.layout.total, dtype=torch.uint8) for _ in range(2)]
         buckets = len(self.layout.ranges(self.bucket_bytes))
         t, run_dir = self.cfg.transport, self.cfg.run_dir
         self.pub = server_socket(self.ctx, zmq.PUB, t, run_dir)
@@ -166,13 +174,24 @@ class BucketPublisher:
         record |= {"full_bytes": 0, "encode_s": 0.0, "send_s": time.perf_counter()}
         base = version if anchor else self.sent[0]
         ranges = self.layout.ranges(self.bucket_bytes)
-        sent = 0
-        for filled in self._fill(slot, params) if params is not None else [self.layout.total]:
-            while sent < len(ranges) and ranges[sent][1] <= filled:
-                self.progress = f"v{version}: bucket {sent + 1} of {len(ranges)}"
-                head = (version, base, sent, len(ranges), *ranges[sent])
-                self._send_bucket(record, slot, anchor, *head)
-                sent += 1
+        self.filled, self.fill_error = (self.layout.total if params is None else 0), None
+        if params is not None:
+            # Its own thread: the trainer's next step waits for the read, not the encoding.
+            threading.Thread(target=self._fill, args=(slot, params), daemon=True).start()
+        for index, (start, end) in enumerate(ranges):
+            self.progress = f"v{version}: bucket {index + 1} of {len(ranges)}"
+            with self.cond:
+                self.cond.wait_for(
+                    lambda end=end: self.filled >= end or self.fill_error or self.closed
+                )
+                if self.fill_error is not None:
+                    raise RuntimeError(f"reading v{version}'s parameters failed") from (
+                        self.fill_error
+                    )
+                if self.filled < end:
+                    return  # closed while reading: the version is not sent
+            head = (version, base, index, len(ranges), start, end)
+            self._send_bucket(record, slot, anchor, *head)
         record["send_s"] = time.perf_counter() - record["send_s"]
         self.history.append(record)
         self.progress = f"v{version} sent"
@@ -184,17 +203,32 @@ class BucketPublisher:
         self.anchor_wanted = self.anchor_wanted and not anchor  # it answers every request
         return anchor
 
-    def _fill(self, slot: int, params: FullParameters):
-        """Copy ``params`` into buffer ``slot``; yields the bytes filled after each."""
+    def _fill(self, slot: int, params: FullParameters) -> None:
+        """Copy ``params`` into buffer ``slot``, moving ``filled`` on after each tensor
+        (``fill_error`` if the read fails)."""
         views = self.layout.views(self.flats[slot])
         spans = iter(self.layout.spans)
-        for name, tensor in params.tensors:
-            span = next(spans)
-            if span.name != name:
-                raise ValueError(f"parameter {name!r} where the layout has {span.name!r}")
-            views[name].copy_(tensor.reshape(span.shape))  # casts to the wire dtype
-            yield span.offset + views[name].nbytes
-        yield self.layout.total
+        try:
+            for name, tensor in params.tensors:
+                span = next(spans)
+                if span.name != name:
+                    raise ValueError(f"parameter {name!r} where the layout has {span.name!r}")
+                views[name].copy_(tensor.reshape(span.shape))  # casts to the wire dtype
+                with self.cond:
+                    self.filled = span.offset + views[name].nbytes
+                    self.cond.notify_all()
+            missing = next(spans, None)
+            if missing is not None:
+                raise ValueError(f"the parameters ended before {missing.name!r}")
+            with self.cond:
+                self.filled = self.layout.total  # the tail's alignment padding is zeros
+                self.cond.notify_all()
+        except BaseException as e:
+            if hasattr(params.tensors, "close"):
+                params.tensors.close()  # marks the readout done: no step waits on it
+            with self.cond:
+                self.fill_error = e
+                self.cond.notify_all()
 
     def _send_bucket(self, record, slot, anchor, version, base, index, count, start, end):
         began = time.perf_counter()
