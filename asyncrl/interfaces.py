@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -129,4 +129,15 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Stop background threads, and the servers the engine launched."""
+        ...
+
+
+@runtime_checkable
+class ProbeScorer(Protocol):
+    """An engine that can score a fixed token sequence under the weights it decodes with
+    (``transport.weights.probe_text``: the check after each flip)."""
+
+    def score(self, tokens: list[int]) -> tuple[int, list[float]]:
+        """The active weights' version and their logprobs (temperature 1) of
+        ``tokens[1:]``, each given those before it; called between two steps."""
         ...

@@ -17,6 +17,7 @@ Who sends what:
                    weights benchmark compares the buckets against)
     WeightsBucket  trainer -> generators  one bucket of a version (anchor or delta), one frame
     AnchorRequest  generator -> trainer   "send the whole weights": missed a delta, bad checksum
+    ProbeReport    generator -> trainer   the probe's logprobs under weights just flipped in
 
 Tensors never go through msgpack: ``encode_tensors`` yields a small header plus one raw
 frame per tensor (zero-copy buffers), and ``decode_tensors`` rebuilds them with
@@ -253,6 +254,17 @@ class AnchorRequest(Message):
     why: str
 
 
+class ProbeReport(Message):
+    """Generator -> trainer rank 0 (``transport.weights.probe_text``): the engine's
+    logprobs of the probe's tokens after the first (temperature 1) under weights
+    ``version`` of ``lineage``, scored when they were flipped in."""
+
+    worker_id: str
+    version: int
+    lineage: str
+    logprobs: list[float]
+
+
 class WeightsOnDisk(Message):
     """Weights ``version`` are the complete Hugging Face directory ``path`` (absolute), for
     generators whose servers load weights from disk (``DiskWeightPublisher``)."""
@@ -278,6 +290,7 @@ ANY_MESSAGE = (
     | WeightsOnDisk
     | WeightsBucket
     | AnchorRequest
+    | ProbeReport
 )
 
 ErrorKind = Literal["decode", "protocol", "run_id", "unexpected", "frames"]

@@ -41,7 +41,14 @@ def test_a_replayed_run_ends_with_its_weights_bit_for_bit(tmp_path, tiny_model_d
         "engine.embedded.max_slots=8",
         "transport.heartbeat_s=0.2",
         "num_generators=2",
+        # The check after each flip rides along: it must not change what is trained.
+        "transport.weights.probe_text=12+34=46 and 7*8=56",
     )
+    probes = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    probes = [r for r in probes if "weights/probe_max_abs_diff" in r]
+    assert probes and max(r["weights/probe_max_abs_diff"] for r in probes) < 1e-4
+    assert sum(r["weights/probe_reports"] for r in probes) >= 6  # two generators
+    assert probes[-1]["weights/probe_alarms"] == 0
     assert len(wal_segments(run_dir)) > 2
     same = _replay(run_dir)
     assert same["steps"] == 6

@@ -157,6 +157,15 @@ class CachedDecoder:
         return self._logits(last)
 
     @torch.no_grad()
+    def score(self, tokens: list[int]) -> list[float]:
+        """Logprobs (temperature 1) of ``tokens[1:]``, each given those before it: one
+        prefill into a cache of its own, so no running sequence is touched."""
+        cache = KVCache.allocate(self.model, 1, len(tokens))
+        logits = self.prefill(cache, 0, [tokens], all_logits=True)[0, :-1]
+        following = torch.tensor(tokens[1:], device=logits.device)[:, None]
+        return torch.log_softmax(logits, dim=-1).gather(-1, following)[:, 0].tolist()
+
+    @torch.no_grad()
     def decode(
         self, cache: KVCache, start: int, tokens: list[int], positions: list[int]
     ) -> torch.Tensor:

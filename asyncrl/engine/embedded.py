@@ -82,8 +82,7 @@ class EmbeddedEngine:
         use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
         self.device = torch.device("cuda" if use_cuda else "cpu")
         model_cfg = ModelConfig(path=model_path, dtype=cfg.dtype)
-        # Two copies of the weights: the active one decodes, the idle one receives updates.
-        # Released, both are empty until weights are loaded.
+        # Two copies: the active one decodes, the idle one receives updates (empty: released).
         for copy in ("_active", "_idle"):
             model = (
                 weightless_model(model_cfg, self.device)
@@ -225,6 +224,10 @@ class EmbeddedEngine:
         )
 
     # ---- memory, for a process shared with a trainer -------------------------------------
+    def score(self, tokens: list[int]) -> tuple[int, list[float]]:
+        """``ProbeScorer.score``: on the decode thread, as ``step`` is."""
+        return self.version, self._active.score(tokens)
+
     def release_memory(self) -> None:
         """Free the KV cache and both copies of the weights (each parameter keeps its
         dtype and device, with no elements). The engine must be idle, with no weights

@@ -44,6 +44,7 @@ from asyncrl.metrics import MetricsLogger
 from asyncrl.rollout import PendingLease, RolloutConfig, lease_request, record_tokens
 from asyncrl.stages.fit import fit_context
 from asyncrl.transport import client_socket, read_endpoints, write_endpoints
+from asyncrl.weights.probe import FlipProbe
 from asyncrl.wire import (
     Chunk,
     Heartbeat,
@@ -86,6 +87,9 @@ class GeneratorWorker:
         if cfg.task.environment:  # multi-turn: each lease is an episode
             self.episodes = EpisodeDriver(cfg, engine, self.pending, self._send_now)
         self.weights = WeightsIntake(cfg, worker_id, engine, self.stats, self.ctx, self.stop_event)
+        self.probe: FlipProbe | None = None
+        if cfg.transport.weights.probe_text:
+            self.probe = FlipProbe(cfg, worker_id, engine, self.ctx, lambda: self.weights.lineage)
 
     def run(self) -> None:
         last_beat, last_log, turn_start = 0.0, time.time(), time.perf_counter()
@@ -211,6 +215,8 @@ class GeneratorWorker:
         self.stats.on_step(seconds, len(out.tokens), during_update, prefilled)
         self.stats.on_output(out, status)
         self._record(out, time.time())
+        if self.probe is not None:
+            self.probe.after_step(out.version)  # new weights: scored before the next step
 
     # ---- metrics -------------------------------------------------------------------
     def _end_turn(self, turn_start: float, stepped: bool) -> float:

@@ -57,6 +57,8 @@ from asyncrl.trainer.checkpoint import (
 from asyncrl.trainer.core import StepStats, TrainerCore, frozen_model
 from asyncrl.trainer.dist import DistInfo, all_reduce_max
 from asyncrl.trainer.publish import NoWeightPublisher, weight_publisher
+from asyncrl.weights.probe import TrainerProbe
+from asyncrl.weights.sender import BucketPublisher
 from asyncrl.wire import Batch, Sample
 
 __all__ = ["RLConfig", "RLExperiment", "main", "run"]
@@ -95,6 +97,7 @@ def run(cfg: RLExperiment, info: DistInfo, source: BatchSource | None = None) ->
         guarded = r.guard.end_step()  # a warning, or the last good weights back (rollback)
         # 5. publish version v+1 to the generators and announce it to the buffer
         sync_s = r.publisher.publish(core.step + 1, core.full_parameters(core.step + 1))
+        probed = r.probe.after_publish(core.model, core.step + 1) if r.probe else {}
         if info.is_main:
             r.source.announce_version(core.step + 1)
         estimates |= r.advantages.after_publish(micro)  # generators need not wait for it
@@ -102,7 +105,7 @@ def run(cfg: RLExperiment, info: DistInfo, source: BatchSource | None = None) ->
         # 6. the version: once per batch, so step, batch and version stay one to one
         core.step += 1
         # 7. log, evaluate, checkpoint
-        scalars = step_scalars(stats, waited, sync_s, batch.samples) | estimates | guarded
+        scalars = step_scalars(stats, waited, sync_s, batch.samples) | estimates | guarded | probed
         scalars |= length_scalars(batch.samples, cfg, info.device)  # every rank joins
         stop = out_of_time(r.start, cfg.time_limit_s, info) or reached(cfg, accuracy, info)
         last = core.step >= cfg.rl.max_steps or stop
@@ -134,6 +137,8 @@ class RLParts:
     """Judges each step's statistics; warns, skips the update or rolls back (``rl.guard``)."""
     rewards: RewardNormalizer
     """``rl.reward_norm``: the batch's rewards, normalized by their running moments (or not)."""
+    probe: TrainerProbe | None = None
+    """``transport.weights.probe_text``: the check that the engines run what was published."""
 
 
 def setup(cfg: RLExperiment, info: DistInfo, recorded: BatchSource | None = None) -> RLParts:
@@ -159,8 +164,23 @@ def setup(cfg: RLExperiment, info: DistInfo, recorded: BatchSource | None = None
     ckpt_root = Path(cfg.run_dir) / "checkpoints"
     guard = Guard(cfg.rl.guard, cfg.run_dir, cfg.buffer.max_staleness, core, advantages.companions)
     rewards = RewardNormalizer(cfg.rl.reward_norm, cfg.rl.reward_norm_decay, info.device)
+    probe = None
+    if cfg.transport.weights.probe_text and recorded is None:
+        lineage = publisher.lineage if isinstance(publisher, BucketPublisher) else ""
+        probe = TrainerProbe(cfg, info, lineage)
     return RLParts(
-        core, advantages, evaluate, source, publisher, log, ledger, start, ckpt_root, guard, rewards
+        core,
+        advantages,
+        evaluate,
+        source,
+        publisher,
+        log,
+        ledger,
+        start,
+        ckpt_root,
+        guard,
+        rewards,
+        probe,
     )
 
 
@@ -268,6 +288,8 @@ def finish(r: RLParts, cfg: RLExperiment, initial: float | None, accuracy: dict)
     r.ledger.close()
     r.source.close()
     r.publisher.close()  # the colocated rollout is both: its second close does nothing
+    if r.probe is not None:
+        r.probe.close()
     return summary
 
 

@@ -187,6 +187,13 @@ class RLExperiment:
                     "needs placement=async"
                 )
             self.buffer.max_staleness = 0  # step i trains only on tokens of version i
+        if self.transport.weights.probe_text and (
+            self.placement == "colocated" or self.engine.backend != "embedded"
+        ):
+            raise ConfigError(
+                "transport.weights.probe_text: the probe is scored by generator processes "
+                "with embedded engines (placement=async engine.backend=embedded)"
+            )
         if self.task.environment:
             self.check_episodes()
         if self.engine.backend == "remote":

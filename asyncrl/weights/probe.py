@@ -1,0 +1,199 @@
+"""The check after a flip (``transport.weights.probe_text``): does each engine decode with
+the weights the trainer published?
+
+Both sides score the same fixed token sequence, the probe text as the policy's tokenizer
+encodes it. A generator scores it with the weights it has just flipped in
+(``ProbeScorer.score``, between two decode steps) and pushes a ``ProbeReport`` to
+trainer rank 0 (``FlipProbe``); every trainer rank scores it with each version it
+publishes (a forward of the sharded policy, which the ranks run together), and rank 0
+compares each report with its own logprobs of that version (``TrainerProbe``). The
+largest absolute difference is logged; one above ``probe_alarm`` is an alarm, logged as
+an error and counted, and with ``probe_stop`` it ends the run. Reports travel on a PULL
+socket of their own (``RUN_DIR/endpoints/probe.json``), so the weights path is the same
+with the probe on or off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import zmq
+
+from asyncrl.interfaces import ProbeScorer
+from asyncrl.models import load_tokenizer
+from asyncrl.transport import (
+    bind,
+    client_socket,
+    read_endpoints,
+    server_socket,
+    write_endpoints,
+)
+from asyncrl.wire import ProbeReport, WireDecoder, encode
+
+if TYPE_CHECKING:
+    from asyncrl.trainer.dist import DistInfo
+
+log = logging.getLogger(__name__)
+
+KEEP_VERSIONS = 64
+"""The trainer's logprobs kept per version: a report about an older version (a generator
+that fell this far behind) is not compared."""
+
+
+def probe_tokens(model_path: str, text: str) -> list[int]:
+    """The probe as token ids (no special tokens: the same ids on every side)."""
+    ids = load_tokenizer(model_path)(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < 2:
+        raise ValueError(
+            f"transport.weights.probe_text encodes to {len(ids)} token(s); the probe scores "
+            f"each token after the first, so it needs at least 2"
+        )
+    return ids
+
+
+@torch.no_grad()
+def policy_logprobs(model: torch.nn.Module, tokens: list[int], device) -> torch.Tensor:
+    """``[len(tokens) - 1]`` logprobs (temperature 1) of ``tokens[1:]`` under ``model``;
+    a sharded model needs every rank to call it."""
+    ids = torch.tensor([tokens], device=device)
+    logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0].cpu()
+
+
+class TrainerProbe:
+    """The trainer's side: its logprobs of every version it publishes (each rank), and
+    rank 0's comparison with what the generators report."""
+
+    def __init__(self, cfg, info: DistInfo, lineage: str) -> None:
+        self.wcfg, self.info, self.lineage = cfg.transport.weights, info, lineage
+        self.tokens = probe_tokens(cfg.model.path, self.wcfg.probe_text)
+        self.scores: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self.alarms = 0
+        self.pull: zmq.Socket | None = None
+        if info.is_main:
+            t = cfg.transport
+            self.ctx = zmq.Context()
+            self.pull = server_socket(self.ctx, zmq.PULL, t, cfg.run_dir)
+            endpoint = bind(self.pull, t, cfg.run_dir, "trainer-probe")
+            write_endpoints(cfg.run_dir, "probe", {"reports": endpoint})
+            self.decoder = WireDecoder(cfg.run_id, expected=ProbeReport)
+
+    def after_publish(self, model: torch.nn.Module, version: int) -> dict[str, float]:
+        """Score the probe with weights ``version``, just published (every rank), and
+        compare the reports that came in since the last call; rank 0's scalars."""
+        self.scores[version] = policy_logprobs(model, self.tokens, self.info.device)
+        while len(self.scores) > KEEP_VERSIONS:
+            self.scores.popitem(last=False)
+        if self.pull is None:
+            return {}
+        diffs = [d for d in map(self._compare, self._reports()) if d is not None]
+        scalars = {"weights/probe_alarms": float(self.alarms)}
+        if diffs:
+            scalars |= {
+                "weights/probe_max_abs_diff": max(diffs),
+                "weights/probe_reports": len(diffs),
+            }
+        return scalars
+
+    def _reports(self) -> list[ProbeReport]:
+        reports = []
+        while self.pull.poll(0):
+            report = self.decoder.try_decode(self.pull.recv(), "probe reports")
+            if report is not None and report.lineage == self.lineage:
+                reports.append(report)  # another lineage's versions are another trainer's
+        return reports
+
+    def _compare(self, report: ProbeReport) -> float | None:
+        mine = self.scores.get(report.version)
+        if mine is None:
+            return None
+        if len(report.logprobs) != len(mine):
+            log.error(
+                "generator %s scored %d probe tokens, the trainer %d: another tokenizer?",
+                report.worker_id,
+                len(report.logprobs) + 1,
+                len(mine) + 1,
+            )
+            return None
+        diff = float((torch.tensor(report.logprobs) - mine).abs().max())
+        if diff > self.wcfg.probe_alarm:
+            self.alarms += 1
+            message = (
+                f"generator {report.worker_id} decodes with weights v{report.version} whose "
+                f"probe logprobs differ from the trainer's by {diff:.4g} nats "
+                f"(transport.weights.probe_alarm={self.wcfg.probe_alarm}): the engine does not "
+                f"run the published weights"
+            )
+            log.error("%s", message)
+            if self.wcfg.probe_stop:
+                raise RuntimeError(message + " (transport.weights.probe_stop)")
+        return diff
+
+    def close(self) -> None:
+        if self.pull is not None:
+            self.pull.close(linger=0)
+            self.ctx.term()
+
+
+class FlipProbe:
+    """A generator's side: after each flip, the probe scored with the new weights and
+    pushed to trainer rank 0. Call ``after_step`` from the loop that steps the engine."""
+
+    def __init__(
+        self, cfg, worker_id: str, engine: ProbeScorer, ctx: zmq.Context, lineage: Callable[[], str]
+    ) -> None:
+        if not isinstance(engine, ProbeScorer):
+            raise ValueError(
+                "transport.weights.probe_text: this engine cannot score a token sequence "
+                "(the probe needs engine.backend=embedded)"
+            )
+        self.cfg, self.worker_id, self.engine, self.ctx = cfg, worker_id, engine, ctx
+        self.lineage = lineage  # of the weights the engine was last offered
+        self.tokens = probe_tokens(cfg.model.path, cfg.transport.weights.probe_text)
+        self.scored = -1  # the version scored last
+        self.push: zmq.Socket | None = None
+        self.endpoint = ""
+        self.sent = 0
+
+    def after_step(self, version: int) -> None:
+        """Score and report when the engine's version (``version``) is new."""
+        if version == self.scored or version == 0:  # version 0: the weights on disk
+            return
+        self.scored = version
+        version, logprobs = self.engine.score(self.tokens)
+        report = ProbeReport(
+            run_id=self.cfg.run_id,
+            worker_id=self.worker_id,
+            version=version,
+            lineage=self.lineage(),
+            logprobs=logprobs,
+        )
+        sock = self._socket()
+        if sock is not None:
+            # A trainer restarting drops it: the next flip reports again.
+            with contextlib.suppress(zmq.Again):
+                sock.send(encode(report), zmq.NOBLOCK)
+                self.sent += 1
+
+    def _socket(self) -> zmq.Socket | None:
+        """A PUSH socket to the trainer's probe endpoint, connected anew when it moved."""
+        endpoints = read_endpoints(self.cfg.run_dir, "probe", timeout_s=0.0)
+        if endpoints is None:
+            return None
+        if endpoints["reports"] != self.endpoint:
+            self.close()
+            t = self.cfg.transport
+            self.push = client_socket(self.ctx, zmq.PUSH, t, self.cfg.run_dir)
+            self.push.connect(endpoints["reports"])
+            self.endpoint = endpoints["reports"]
+        return self.push
+
+    def close(self) -> None:
+        if self.push is not None:
+            self.push.close(linger=0)
+            self.push = None
