@@ -16,6 +16,7 @@ from asyncrl.generator.weights import WeightsIntake
 from asyncrl.interfaces import FullParameters
 from asyncrl.models import ModelConfig, load_model
 from asyncrl.rollout import RolloutConfig
+from asyncrl.trainer.publish import NoWeightPublisher
 from asyncrl.weights import codec
 from asyncrl.weights.config import WeightSyncConfig
 from asyncrl.weights.receiver import NeedAnchor, WeightsReceiver
@@ -294,3 +295,14 @@ def test_a_generator_follows_a_restarted_trainer(tmp_path, tiny_model_dir):
         ctx.destroy(linger=0)
     for name, param in trainer.named_parameters():
         assert torch.equal(_engine_params(engine)[name], param.detach())
+
+
+def test_a_failed_gather_on_another_rank_is_raised_not_printed():
+    def failing():
+        yield "w", torch.zeros(2)
+        raise ConnectionError("peer gone")
+
+    publisher = NoWeightPublisher()
+    publisher.publish(3, FullParameters([("w", torch.float32, (2,))], failing()))
+    with pytest.raises(RuntimeError, match="v3's parameters failed: peer gone"):
+        publisher.publish(4, _params(torch.nn.Linear(1, 1)))

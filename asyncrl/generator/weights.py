@@ -83,6 +83,9 @@ class WeightsIntake:
             self.ctx, zmq.SUB, t, self.cfg.run_dir, max_message_bytes=t.max_weights_bytes
         )
         sub.setsockopt(zmq.SUBSCRIBE, b"")
+        # Few buckets queue here (each up to bucket_mb): past that the trainer's side holds
+        # them, and a generator too slow for them loses some and asks for an anchor.
+        sub.setsockopt(zmq.RCVHWM, 8)
         sub.connect(endpoints["weights"])
         asks = None
         if "anchors" in endpoints:  # the bucket publisher: it answers anchor requests

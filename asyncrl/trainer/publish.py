@@ -81,23 +81,33 @@ class NoWeightPublisher:
 
     def __init__(self) -> None:
         self.thread: threading.Thread | None = None
+        self.failed: tuple[int, BaseException] | None = None  # a gather that raised
 
     def publish(self, version: int, params: FullParameters) -> float:
         start = time.perf_counter()
-        if self.thread is not None:
-            self.thread.join()  # versions are gathered in order, as on rank 0
-        self.thread = threading.Thread(
-            target=lambda: collections.deque(params.tensors, maxlen=0), daemon=True
-        )
+        self._join()  # versions are gathered in order, as on rank 0
+        self.thread = threading.Thread(target=self._read, args=(version, params), daemon=True)
         self.thread.start()
         return time.perf_counter() - start
+
+    def _read(self, version: int, params: FullParameters) -> None:
+        try:
+            collections.deque(params.tensors, maxlen=0)
+        except BaseException as e:  # raised on the trainer's thread at the next call
+            self.failed = (version, e)
+
+    def _join(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+        if self.failed is not None:
+            version, error = self.failed
+            raise RuntimeError(f"gathering v{version}'s parameters failed: {error}") from error
 
     def republish(self) -> None:
         """Nothing was sent, so nothing to send again."""
 
     def close(self) -> None:
-        if self.thread is not None:
-            self.thread.join()
+        self._join()
 
 
 class DiskWeightPublisher:

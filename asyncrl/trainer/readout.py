@@ -15,6 +15,7 @@ interleaves with FSDP's collectives on the training group.
 from __future__ import annotations
 
 import threading
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,8 @@ class ParameterReadout:
         """The parameters unsharded, on the CPU, one at a time (tied ones once); every rank
         iterates them to the end. A tensor may be the live parameter itself."""
         if self.mesh is None and dist.is_initialized() and dist.get_world_size() > 1:
-            group = dist.new_group(backend="gloo")
+            # Its collectives fail after timeout_s, as wait does, instead of gloo's 30 min.
+            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
             self.mesh = DeviceMesh.from_group(group, "cpu")
         # FSDP leaves the root unit gathered after a forward without backward (a proximal
         # pass): its parameters are then its all-gather buffer, which the next forward
