@@ -187,6 +187,14 @@ class RLExperiment:
                     "needs placement=async"
                 )
             self.buffer.max_staleness = 0  # step i trains only on tokens of version i
+        self.check_probe()
+        if self.task.environment:
+            self.check_episodes()
+        if self.engine.backend == "remote":
+            self.check_remote()
+
+    def check_probe(self) -> None:
+        """The check after a flip needs engines that can score it: embedded generators."""
         if self.transport.weights.probe_text and (
             self.placement == "colocated" or self.engine.backend != "embedded"
         ):
@@ -194,10 +202,6 @@ class RLExperiment:
                 "transport.weights.probe_text: the probe is scored by generator processes "
                 "with embedded engines (placement=async engine.backend=embedded)"
             )
-        if self.task.environment:
-            self.check_episodes()
-        if self.engine.backend == "remote":
-            self.check_remote()
 
     def check_episodes(self) -> None:
         """What a multi-turn task cannot run with: its reward is its environment's."""
