@@ -4,15 +4,16 @@ over real optimizer steps of a real-shape model.
     python tools/bench_weight_sync.py [--model runs/models/qwen2.5-0.5b-2l] [--steps 8]
         [--dtype bfloat16|train] [--lr 1e-6] [--bucket-mb 64] [--anchor-every 50]
 
-The trainer is the real FSDP2 core on one gloo rank; each step is an AdamW step on a
-next-token loss, after which the same version is published twice, in alternating order:
-the full fp32 state gathered and sent as one message of raw frames (the publish before
-buckets, to a subscriber that receives it), and through ``BucketPublisher``. A second
-process is a generator: an embedded engine decoding four requests without pause, its
-``WeightsIntake`` rebuilding each version and staging it, the engine flipping between two
-steps. ``publish_s`` is the trainer's part (the call's duration: the copy into the
-staging buffer; encoding and sending run on the sender thread meanwhile), and
-``sender_s`` the thread's. At the end the engine's weights are compared, by CRC-32 of
+The trainer is the real FSDP2 core on ``--ranks`` gloo ranks (processes); each step is
+an AdamW step on a next-token loss, after which the same version is published twice, in
+alternating order: the full fp32 state gathered to rank 0 and sent as one message of raw
+frames (the publish before buckets, to a subscriber that receives it), and through
+``BucketPublisher``. Another process is a generator: an embedded engine decoding four
+requests without pause, its ``WeightsIntake`` rebuilding each version and staging it,
+the engine flipping between two steps. ``publish_s`` is the trainer's part: the call,
+plus the next optimizer step's wait for the parameters to be read (``readout.wait``);
+the gathering, copying, encoding and sending run on threads meanwhile, ``sender_s``
+being the sender thread's first bucket to its last. At the end the engine's weights are compared, by CRC-32 of
 each parameter, with the trainer's as the wire dtype rounds them. The learning rate is
 RL's usual 1e-6: Adam moves each weight by about that much, below bf16's resolution for
 most of them, so bf16 deltas are mostly zero bytes, and fp32 ones change the low bytes.
