@@ -56,11 +56,14 @@ def loss_fn(logits, mb):
     return sft_loss(logits, mb.input_ids, mb.loss_mask)
 
 
-def main(model_dir: str, out_path: str, rendezvous: str, steps: int, budget: int) -> None:
+def main(
+    model_dir: str, out_path: str, rendezvous: str, steps: int, budget: int, sync: bool
+) -> None:
     torch.set_num_threads(1)
     info = init_distributed("cpu", rendezvous)
     optim = OptimConfig(lr=1e-2, warmup_steps=0, schedule="constant", max_grad_norm=1.0)
-    core = TrainerCore(ModelConfig(path=model_dir), TrainerConfig(), optim, info, pad_id=0)
+    trainer = TrainerConfig(reduce_every_micro_batch=sync)
+    core = TrainerCore(ModelConfig(path=model_dir), trainer, optim, info, pad_id=0)
     vocab = core.model.config.vocab_size
     loaded = core.full_state_dict()
     with torch.no_grad():  # every rank runs the probe: FSDP gathers each layer
@@ -80,12 +83,15 @@ def main(model_dir: str, out_path: str, rendezvous: str, steps: int, budget: int
     shutdown_distributed()
 
 
-def run_ranks(world: int, model_dir: str, tmp_path: Path, steps: int = 3) -> dict:
-    """Start ``world`` ranks of this script side by side; rank 0's saved result."""
+def run_ranks(
+    world: int, model_dir: str, tmp_path: Path, steps: int = 3, sync: bool = False
+) -> dict:
+    """Start ``world`` ranks of this script side by side; rank 0's saved result. ``sync``:
+    ``TrainerConfig.reduce_every_micro_batch``."""
     from .conftest import wait_for_ranks
 
-    out = tmp_path / f"result_{world}.pt"
-    rdv = tmp_path / f"rdv_{world}"
+    out = tmp_path / f"result_{world}{'_sync' * sync}.pt"
+    rdv = tmp_path / f"rdv_{world}{'_sync' * sync}"
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
@@ -93,7 +99,7 @@ def run_ranks(world: int, model_dir: str, tmp_path: Path, steps: int = 3) -> dic
         cmd = [sys.executable, str(HERE / "fsdp_worker.py"), model_dir, str(out), str(rdv)]
         procs.append(
             subprocess.Popen(
-                [*cmd, str(steps), "128"],
+                [*cmd, str(steps), "128", str(int(sync))],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -105,4 +111,4 @@ def run_ranks(world: int, model_dir: str, tmp_path: Path, steps: int = 3) -> dic
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+    main(*sys.argv[1:4], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6] == "1")

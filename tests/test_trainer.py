@@ -116,7 +116,11 @@ def test_fsdp_two_ranks_equal_one_rank(tiny_model_dir, tmp_path):
     start = load_model(ModelConfig(path=tiny_model_dir)).state_dict()
     moved = max((one["state"][k] - start[k]).abs().max().item() for k in start)
     assert moved > 1e-2
+    # Gradients reduce-scattered after every micro-batch (several a rank here): the same.
+    synced = run_ranks(2, tiny_model_dir, tmp_path, sync=True)
+    assert synced["losses"] == pytest.approx(two["losses"], rel=1e-5)
     for name in one["state"]:
-        torch.testing.assert_close(
-            two["state"][name], one["state"][name], atol=5e-5, rtol=0, msg=name
-        )
+        for other in (two, synced):
+            torch.testing.assert_close(
+                other["state"][name], one["state"][name], atol=5e-5, rtol=0, msg=name
+            )

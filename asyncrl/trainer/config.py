@@ -68,6 +68,12 @@ class TrainerConfig:
     the backward: activation memory drops to about one layer's, for one more forward of
     the layers. Same loss and gradients (a test checks it). The logits and the loss over
     them are not recomputed; ``micro_batch_tokens`` bounds those."""
+    reduce_every_micro_batch: bool = False
+    """Reduce-scatter the gradients after every micro-batch, not only after the step's
+    last: between micro-batches each rank then holds its gradient shard instead of the
+    whole model's unsharded gradient (FSDP2 keeps that while sync is off), for one
+    reduce-scatter per micro-batch. Measured on Qwen2.5-0.5B's shape, 2 CPU ranks of 2
+    micro-batches: the peak per rank 0.5 GB lower. Same gradients up to summation order."""
     cpu_offload: bool = False
     """Keep parameter shards, gradients and the optimizer step in CPU memory between uses
     (FSDP2's ``CPUOffloadPolicy``): accelerator memory for time on a GPU. A CPU trainer

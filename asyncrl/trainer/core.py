@@ -280,8 +280,9 @@ class TrainerCore:
         metric_sums: dict[str, float] = {}
         outputs = []
         for i, mb in enumerate(batches):
-            # Reduce-scatter gradients only after the last micro-batch.
-            self.model.set_requires_gradient_sync(i == len(batches) - 1)
+            # Reduce-scatter after the last micro-batch only, unless memory comes first.
+            last = i == len(batches) - 1
+            self.model.set_requires_gradient_sync(last or self.cfg.reduce_every_micro_batch)
             mb = mb.to(self.info.device)
             own = i < len(micro_batches)
             args = () if loss_inputs is None else (loss_inputs[i] if own else None,)
