@@ -27,6 +27,7 @@ from asyncrl.engine.config import EngineConfig
 from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from asyncrl.engine.remote import RemoteEngine
 from asyncrl.engine.servers import RemoteEngineConfig, write_weights_dir
+from asyncrl.interfaces import FullParameters
 from asyncrl.metrics import read_metrics
 from asyncrl.models import ModelConfig, load_model, load_tokenizer
 from asyncrl.seeds import derive_seed
@@ -371,7 +372,7 @@ def test_disk_publisher_writes_loadable_versions_and_prunes(tiny_model_dir, tmp_
     try:
         for version in (1, 2, 3):
             state = {k: v + version for k, v in base.items()}
-            assert publisher.publish(version, state) > 0
+            assert publisher.publish(version, FullParameters.of(state)) > 0
         publisher.republish()
         decoder = WireDecoder("run", expected=WeightsAnnounce | WeightsOnDisk)
         got = [decoder.decode(sub.recv()) for _ in range(4)]
@@ -491,7 +492,7 @@ def test_nccl_publisher_broadcasts_into_a_sglang_server(tiny_model_dir, tmp_path
     try:
         weights = perturbed_weights(tiny_model_dir, tmp_path / "v1")
         state = load_model(ModelConfig(path=str(weights))).state_dict()
-        assert publisher.publish(1, state) > 0
+        assert publisher.publish(1, FullParameters.of(state)) > 0
         engine.submit(Request("a", [3, 4, 5], SamplingParams(max_new_tokens=8, temperature=0.0)))
         tokens, _ = drain(engine, ["a"])
         assert {t.version for t in tokens["a"]} == {1} and engine.status().version == 1

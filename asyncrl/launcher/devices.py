@@ -29,15 +29,26 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncrl.config import ConfigError
 
 if TYPE_CHECKING:
-    from asyncrl.launcher.sbatch import SlurmOptions
     from asyncrl.stages.common import ProcessSpec
 
 GENERATOR_MODULE = "asyncrl.generator.worker"
+
+
+class NodeLayout(Protocol):
+    """The job's nodes, as ``asyncrl.launcher.sbatch.SlurmOptions`` gives them (a Protocol,
+    so this module, which sbatch imports, imports nothing of it)."""
+
+    gen_nodes: int
+    train_nodes: int
+    gpus_per_node: int
+
+    @property
+    def total_nodes(self) -> int: ...
 
 
 class DeviceError(ConfigError):
@@ -169,7 +180,7 @@ def local_devices(
     return assign(gpu_groups(cfg, processes), visible_gpus() if visible is None else visible, share)
 
 
-def node_gpus(groups: list[GpuGroup], opts: SlurmOptions) -> list[int]:
+def node_gpus(groups: list[GpuGroup], opts: NodeLayout) -> list[int]:
     """GPUs the steps on each node of the job hold, node by node in allocation order."""
     per_node = [0] * opts.total_nodes
     generators = [g for g in groups if g.role == "generator"]
@@ -182,7 +193,7 @@ def node_gpus(groups: list[GpuGroup], opts: SlurmOptions) -> list[int]:
     return per_node
 
 
-def job_gpus_per_node(cfg: Any, processes: list[ProcessSpec], opts: SlurmOptions) -> int:
+def job_gpus_per_node(cfg: Any, processes: list[ProcessSpec], opts: NodeLayout) -> int:
     """The job's ``--gpus-per-node``: the option when given; else, when a process needs a
     GPU (``cuda``, sglang/vLLM servers), what the busiest node's steps hold; else 0 (a
     CPU job, as ``auto`` devices are on a cluster without GPUs)."""
@@ -194,7 +205,7 @@ def job_gpus_per_node(cfg: Any, processes: list[ProcessSpec], opts: SlurmOptions
     return max(node_gpus(groups, opts))
 
 
-def slurm_step_gpus(cfg: Any, processes: list[ProcessSpec], opts: SlurmOptions) -> dict[str, int]:
+def slurm_step_gpus(cfg: Any, processes: list[ProcessSpec], opts: NodeLayout) -> dict[str, int]:
     """GPUs of each ``srun`` step by name (``trainer``: each trainer node's torchrun, for
     its ranks there); {} in a job without GPUs. Raises ``DeviceError`` when a node's steps
     need more than ``opts.gpus_per_node``."""
