@@ -192,6 +192,9 @@ def test_a_run_bound_to_every_interface_trains_over_curve(tmp_path, tiny_model_d
         "transport.heartbeat_s=0.2",
         "transport.scheme=tcp",
         "transport.host=0.0.0.0",
+        # Two steps end in a second: a generator that joins after v1's anchor went out
+        # would ask for one the closing trainer no longer serves. Every version whole.
+        "transport.weights.anchor_every=1",
     ]
     env = dict(os.environ, ASYNCRL_HOST="127.0.0.1", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
