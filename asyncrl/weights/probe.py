@@ -26,6 +26,7 @@ import zmq
 
 from asyncrl.interfaces import ProbeScorer
 from asyncrl.models import load_tokenizer
+from asyncrl.trainer.logprobs import token_logprobs
 from asyncrl.transport import (
     bind,
     client_socket,
@@ -61,8 +62,7 @@ def policy_logprobs(model: torch.nn.Module, tokens: list[int], device) -> torch.
     """``[len(tokens) - 1]`` logprobs (temperature 1) of ``tokens[1:]`` under ``model``;
     a sharded model needs every rank to call it."""
     ids = torch.tensor([tokens], device=device)
-    logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
-    return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0].cpu()
+    return token_logprobs(model(input_ids=ids, use_cache=False).logits, ids)[0, 1:].cpu()
 
 
 class TrainerProbe:
