@@ -17,11 +17,14 @@ Who sends what:
                    weights benchmark compares the buckets against)
     WeightsBucket  trainer -> generators  one bucket of a version (anchor or delta), one frame
     AnchorRequest  generator -> trainer   "send the whole weights": missed a delta, bad checksum
+    WeightsOnDisk  trainer -> generators  a version as an HF directory (remote servers load it)
+    WeightsByTransfer trainer -> generators  a version the trainer sends into a server on request
+    TransferAsk    generator -> trainer   "send that version into this server now"
+    TransferDone   trainer -> generator   the answer: done, or why not
     ProbeReport    generator -> trainer   the probe's logprobs under weights just flipped in
 
-Tensors never go through msgpack: ``encode_tensors`` yields a small header plus one raw
-frame per tensor (zero-copy buffers), and ``decode_tensors`` rebuilds them with
-``torch.frombuffer``. Nothing here, or anywhere on a socket, is pickled. ``WireDecoder``
+Tensors never go through msgpack: ``asyncrl.weights.frames`` sends them as raw frames
+after a header. Nothing here, or anywhere on a socket, is pickled. ``WireDecoder``
 turns bad frames into counted ``WireError`` kinds instead of exceptions that could crash
 a process.
 """
@@ -29,12 +32,10 @@ a process.
 from __future__ import annotations
 
 import logging
-import warnings
 from collections import Counter
 from typing import Literal
 
 import msgspec
-import torch
 
 PROTOCOL_VERSION = 1
 
@@ -275,6 +276,36 @@ class WeightsOnDisk(Message):
     """As in ``WeightsAnnounce``."""
 
 
+class WeightsByTransfer(Message):
+    """Weights ``version`` wait on trainer rank 0, which sends them into a server itself
+    when asked on ``endpoint`` (a REP socket), for generators whose vLLM servers take
+    weights by vLLM's weight transfer (``VllmTransferPublisher``)."""
+
+    version: int
+    endpoint: str
+    lineage: str = ""
+    """As in ``WeightsAnnounce``."""
+
+
+class TransferAsk(Message):
+    """Generator -> trainer rank 0: send weights ``version`` into the server at ``url``,
+    which the generator has paused and drained; answered by ``TransferDone``."""
+
+    worker_id: str
+    version: int
+    url: str
+
+
+class TransferDone(Message):
+    """Trainer rank 0 -> generator: the server at ``url`` runs ``version`` (``ok``), or
+    ``why`` not (a newer version replaced it, or the transfer failed)."""
+
+    version: int
+    url: str
+    ok: bool
+    why: str = ""
+
+
 ANY_MESSAGE = (
     LeaseRequest
     | Lease
@@ -288,6 +319,9 @@ ANY_MESSAGE = (
     | CheckpointAnnounce
     | WeightsAnnounce
     | WeightsOnDisk
+    | WeightsByTransfer
+    | TransferAsk
+    | TransferDone
     | WeightsBucket
     | AnchorRequest
     | ProbeReport
@@ -345,49 +379,3 @@ class WireDecoder:
                 "dropping a bad frame (%s); further ones are only counted: %s", kind, detail[:300]
             )
         self.errors[kind] += 1
-
-
-def encode_tensors(
-    version: int, run_id: str, tensors: dict[str, torch.Tensor], lineage: str = ""
-) -> list:
-    """``[header, frame, frame, …]`` for a weights update; frames share the tensors' memory."""
-    metas, frames = [], []
-    for name, t in tensors.items():
-        t = t.detach().contiguous().cpu()
-        metas.append(TensorMeta(name, str(t.dtype).removeprefix("torch."), list(t.shape)))
-        # bf16 has no numpy/buffer format: send its bytes as int16 and reinterpret on arrival.
-        raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-        frames.append(memoryview(raw.reshape(-1).numpy()).cast("B"))
-    header = encode(WeightsAnnounce(run_id=run_id, version=version, lineage=lineage, tensors=metas))
-    return [header, *frames]
-
-
-def decode_tensors(announce: WeightsAnnounce, frames: list) -> dict[str, torch.Tensor]:
-    """Rebuild the tensors of a weights update from their raw frames (no copy: the
-    tensors are read-only views of the frames)."""
-    if len(frames) != len(announce.tensors):
-        raise WireError("frames", f"{len(frames)} frames for {len(announce.tensors)} tensors")
-    out = {}
-    for meta, frame in zip(announce.tensors, frames):
-        dtype = getattr(torch, meta.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise WireError("frames", f"unknown dtype {meta.dtype!r} for {meta.name}")
-        buffer = memoryview(frame)
-        numel = 1
-        for d in meta.shape:
-            numel *= d
-        if buffer.nbytes != numel * dtype.itemsize:
-            raise WireError(
-                "frames", f"{meta.name}: {buffer.nbytes} bytes for shape {meta.shape} {meta.dtype}"
-            )
-        if numel == 0:
-            out[meta.name] = torch.empty(meta.shape, dtype=dtype)
-            continue
-        raw_dtype = torch.int16 if dtype == torch.bfloat16 else dtype
-        with warnings.catch_warnings():
-            # Received frames are read-only; the tensors are views of them, never written
-            # (the engine adopts weights as they are), so the copy torch suggests is waste.
-            warnings.simplefilter("ignore", UserWarning)
-            t = torch.frombuffer(buffer, dtype=raw_dtype).view(meta.shape)
-        out[meta.name] = t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
-    return out

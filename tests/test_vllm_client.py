@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -207,7 +208,9 @@ def test_abort_ends_the_request_on_the_server(front, tiny_model_dir, api):
         engine.close()
 
 
-def run_tiny_grpo(run_dir: Path, model_dir: str, url: str) -> subprocess.CompletedProcess:
+def run_tiny_grpo(
+    run_dir: Path, model_dir: str, url: str, *overrides: str
+) -> subprocess.CompletedProcess:
     """Four steps of the tiny GRPO demo, its generator attached to ``url`` as vLLM."""
     cmd = [sys.executable, "launch/local.py", "experiments/tiny_grpo.py", f"run_dir={run_dir}"]
     cmd += [f"model.path={model_dir}", "rl.max_steps=4", "eval.every_steps=0"]
@@ -215,6 +218,7 @@ def run_tiny_grpo(run_dir: Path, model_dir: str, url: str) -> subprocess.Complet
     cmd += ["buffer.dynamic_sampling=false", "buffer.max_staleness=1"]
     cmd += ["transport.heartbeat_s=0.2", "engine.backend=remote", "engine.remote.server=vllm"]
     cmd += [f"engine.remote.urls=[{url!r}]".replace("'", '"'), "engine.remote.max_inflight=8"]
+    cmd += overrides
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
 
 
@@ -326,20 +330,21 @@ def test_a_server_of_an_unsupported_vllm_version_is_refused(tiny_model_dir):
 
 def test_vllm_launch_settings(tiny_model_dir, monkeypatch):
     """A launched vLLM gets the logprobs the trainer recomputes, its RL routes (dev mode),
-    its share of GPU memory, and GPUs from ``index * tp_size``; NCCL updates are refused."""
+    its share of GPU memory, and GPUs from ``index * tp_size``; with NCCL updates, vLLM's
+    NCCL weight-transfer engine."""
     cfg = RemoteEngineConfig(server="vllm", tp_size=2, mem_fraction_static=0.3, max_seq_len=64)
     cmd = server_command(cfg, tiny_model_dir, 31000, 1, 0)
     assert cmd[1:4] == ["-m", "vllm.entrypoints.cli.main", "serve"]
     joined = " ".join(cmd)
     assert "--logprobs-mode processed_logprobs" in joined and "--port 31000" in joined
     assert "--gpu-memory-utilization 0.3" in joined and "--max-model-len 64" in joined
-    assert "--tensor-parallel-size 2" in joined
+    assert "--tensor-parallel-size 2" in joined and "--weight-transfer-config" not in joined
+    nccl = server_command(replace(cfg, weight_update="nccl"), tiny_model_dir, 31000, 1, 0)
+    assert nccl[-2:] == ["--weight-transfer-config", '{"backend": "nccl"}']
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     env = server_env(cfg, 1)
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["CUDA_VISIBLE_DEVICES"] == "6,7"
     assert server_env(RemoteEngineConfig(server="sglang"), 0) is None
-    with pytest.raises(ValueError, match="weight_update=disk"):
-        RemoteEngineConfig(server="vllm", weight_update="nccl").check()
 
 
 # ---- real vLLM ----------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from asyncrl.weights.frames import decode_tensors, encode_tensors
 from asyncrl.wire import (
     PROTOCOL_VERSION,
     Chunk,
@@ -17,9 +18,7 @@ from asyncrl.wire import (
     WeightsAnnounce,
     WireDecoder,
     WireError,
-    decode_tensors,
     encode,
-    encode_tensors,
 )
 
 RUN = "run-1"

@@ -25,7 +25,8 @@ import zmq
 from bench_transport_common import RUN_ID, WAIT_S
 
 from asyncrl.transport import TransportConfig, bind, make_socket
-from asyncrl.wire import WeightsAnnounce, WireDecoder, decode_tensors, encode, encode_tensors
+from asyncrl.weights.frames import decode_tensors, encode_tensors
+from asyncrl.wire import WeightsAnnounce, WireDecoder, encode
 
 HELLO, STOP = -1, -2  # WeightsAnnounce versions that carry no tensors
 

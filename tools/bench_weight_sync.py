@@ -59,8 +59,8 @@ from asyncrl.transport import (
     write_endpoints,
 )
 from asyncrl.weights.config import WeightSyncConfig
+from asyncrl.weights.frames import encode_tensors
 from asyncrl.weights.sender import BucketPublisher
-from asyncrl.wire import encode_tensors
 
 RUN_ID = "bench-weights"
 

@@ -45,7 +45,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-VLLM_TESTS = ["tests/test_vllm_protocol.py", "tests/test_vllm_client.py"]
+VLLM_TESTS = [
+    "tests/test_vllm_protocol.py",
+    "tests/test_vllm_client.py",
+    "tests/test_vllm_transfer.py",
+]
 
 MODEL_SHAPE = [
     "model.tiny.hidden_size=1024",

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
@@ -82,10 +82,21 @@ class StepOutput:
     """Weights version the step ran with."""
 
 
-Weights = Mapping[str, torch.Tensor] | str | Path
+class WeightsPush(Protocol):
+    """Weights the trainer sends into one server itself, when asked: vLLM's weight transfer
+    (``asyncrl.trainer.publish_vllm``). Remote engines with vLLM servers only."""
+
+    def __call__(self, url: str, version: int) -> None:
+        """Return once the server at ``url`` (paused and drained by the caller) runs
+        ``version``; raise RuntimeError or TimeoutError saying why when it does not."""
+        ...
+
+
+Weights = Mapping[str, torch.Tensor] | str | Path | WeightsPush
 """New weights for ``Engine.stage_weights``: a state dict (full tensors by parameter name),
-or the path of a Hugging Face directory holding them in ``*.safetensors`` files (what
-``asyncrl.engine.servers.write_weights_dir`` and the ``DiskWeightPublisher`` write)."""
+the path of a Hugging Face directory holding them in ``*.safetensors`` files (what
+``asyncrl.engine.servers.write_weights_dir`` and the ``DiskWeightPublisher`` write), or a
+``WeightsPush`` (remote vLLM servers)."""
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,15 @@ import aiohttp
 import torch
 
 from asyncrl.engine import sglang_api
-from asyncrl.engine.base import EngineStatus, Finished, GeneratedToken, Request, StepOutput, Weights
+from asyncrl.engine.base import (
+    EngineStatus,
+    Finished,
+    GeneratedToken,
+    Request,
+    StepOutput,
+    Weights,
+    WeightsPush,
+)
 from asyncrl.engine.remote_weights import ServerState, ServerUpdates
 from asyncrl.engine.server_api import Attempt, NewTokens, ServerApi, SglangServerApi
 from asyncrl.engine.servers import (
@@ -203,10 +211,11 @@ class RemoteEngine:
         """Have every server load ``weights`` as ``version``, one server at a time (see
         ``ServerUpdates``); returns at once unless ``wait``. A directory is loaded as it is;
         tensors are first written as one, on the caller's thread (decoding goes on
-        meanwhile). A version not newer than the newest offered is ignored."""
+        meanwhile); a ``WeightsPush`` is asked for each server in turn. A version not newer
+        than the newest offered is ignored."""
         if isinstance(weights, Mapping):
             weights = self._write_staged(weights, version)
-        self.updates.offer(str(weights), version)
+        self.updates.offer(weights if callable(weights) else str(weights), version)
         if wait:  # each server's update is three control calls, each bounded by the timeout
             self.updates.wait_for(version, 3 * len(self.servers) * self.cfg.request_timeout_s)
 
@@ -353,7 +362,7 @@ class RemoteEngine:
             self.counters.tokens += len(new)
             self._arrived.notify_all()
 
-    async def _load(self, server: ServerState, path: str, version: int) -> bool:
+    async def _load(self, server: ServerState, path: str | WeightsPush, version: int) -> bool:
         """``ServerUpdates``' update of one server (no new attempt is sent to it meanwhile)."""
         return await self.api.load_weights(self._session, server, path, version, self._drain)
 

@@ -2,7 +2,7 @@
 
 ``ServerUpdates`` is ``RemoteEngine``'s collaborator for weights: it owns the engine's
 weights version (the oldest of its servers') and the offered one, takes offers of
-versioned HF directories from any thread, and updates the servers on the engine's event
+versioned HF directories (or ``WeightsPush``es) from any thread, and updates the servers on the engine's event
 loop, one at a time, so the others keep generating: no new request goes to the server
 being updated, and ``load`` (its ``ServerApi.load_weights``, ``asyncrl.engine.server_api``)
 interrupts its requests in flight (the engine sends them again as prompt + tokens so far)
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from asyncrl.engine.base import WeightsPush
 from asyncrl.engine.servers import Server
 
 log = logging.getLogger("asyncrl.remote")
@@ -79,7 +80,7 @@ class ServerUpdates:
         loop: asyncio.AbstractEventLoop,
         on_server_free: Callable[[], None],
         version: int,
-        load: Callable[[ServerState, str, int], Awaitable[bool]],
+        load: Callable[[ServerState, str | WeightsPush, int], Awaitable[bool]],
     ) -> None:
         self.servers = servers
         self.version = version
@@ -94,14 +95,15 @@ class ServerUpdates:
         """Seconds the last update took, over every server."""
         self._session, self._loop = session, loop
         self._on_server_free = on_server_free  # the engine sends it requests again
-        self._load = load  # (server, directory, version) -> whether the server confirmed
+        self._load = load  # (server, source, version) -> whether the server confirmed
         self._changed = threading.Condition()  # guards _target, staged_version, version
-        self._target: tuple[str, int] | None = None  # newest weights offered
+        self._target: tuple[str | WeightsPush, int] | None = None  # newest weights offered
         self._task: asyncio.Task | None = None
 
-    def offer(self, path: str, version: int) -> None:
-        """Bring every server to the HF directory ``path`` as ``version``; returns at once.
-        An offer not newer than the engine's version or the newest offered is ignored."""
+    def offer(self, path: str | WeightsPush, version: int) -> None:
+        """Bring every server to the HF directory ``path`` (or what a ``WeightsPush`` sends)
+        as ``version``; returns at once. An offer not newer than the engine's version or
+        the newest offered is ignored."""
         with self._changed:
             if version <= max(self.version, self._target[1] if self._target else -1):
                 return
@@ -142,7 +144,7 @@ class ServerUpdates:
         if self._task is None or self._task.done():
             self._task = self._loop.create_task(self._update_servers())
 
-    def _settle(self, target: tuple[str, int] | None) -> bool:
+    def _settle(self, target: tuple[str | WeightsPush, int] | None) -> bool:
         """Forget ``target`` if it is still the newest offer (it is done, or it failed)."""
         with self._changed:
             if self._target != target:
@@ -175,7 +177,7 @@ class ServerUpdates:
                 self.version = version
                 self._changed.notify_all()
 
-    async def _update_one(self, state: ServerState, path: str, version: int) -> None:
+    async def _update_one(self, state: ServerState, path: str | WeightsPush, version: int) -> None:
         state.updating = True
         try:
             if await self._load(state, path, version):

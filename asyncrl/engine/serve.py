@@ -20,7 +20,8 @@ Endpoints (sglang's names and shapes; see serve_protocol for ``/generate``):
 ``asyncrl.engine.openai_api``): ``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``GET /v1/models``; and vLLM's RL routes (``asyncrl.engine.vllm_api``): ``GET /version``,
 ``POST /pause``, ``/resume``, ``/abort_requests``, ``/collective_rpc`` (reload_weights),
-``/update_weight_version``, ``GET /weight_info``, ``/is_paused``.
+``/update_weight_version``, ``GET /weight_info``, ``/is_paused``, and vLLM's weight
+transfer over gloo (``asyncrl.engine.vllm_transfer``).
 
 Where this server departs from sglang, and why:
 

@@ -19,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import count
 
+import torch
+
 from asyncrl.engine.base import Request, StepOutput
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.serve_protocol import (
@@ -166,6 +168,14 @@ class EngineServer:
         loop = asyncio.get_running_loop()
         # Reading the files is slow and touches no engine state: do it while decoding.
         state = await loop.run_in_executor(None, read_weights_dir, model_path)
+        await self.apply_weights(state, label, model_path)
+
+    async def apply_weights(
+        self, state: dict[str, torch.Tensor], label: str | None, model_path: str | None = None
+    ) -> None:
+        """Flip the engine to ``state`` between two steps, labelled ``label`` (None: keep
+        the current label); ``model_path`` is where they came from, if a directory."""
+        loop = asyncio.get_running_loop()
 
         async def command() -> None:
             version = max(self.labels) + 1
@@ -175,7 +185,7 @@ class EngineServer:
             except Exception:
                 del self.labels[version]
                 raise
-            self.model_path = model_path
+            self.model_path = model_path or self.model_path
 
         await self.between_steps(command)
 

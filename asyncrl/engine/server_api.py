@@ -11,7 +11,8 @@ by ``engine.remote.server`` (``server_api``):
 - ``generate``: one attempt of a request, its tokens reported as they arrive, each with
   its logprob and weights version;
 - ``abort``: end one attempt early (its ``generate`` then returns finish reason abort);
-- ``load_weights``: bring one server to an HF directory, interrupting what it runs.
+- ``load_weights``: bring one server to an HF directory, or to what the trainer sends it
+  (a ``WeightsPush``, vLLM only), interrupting what it runs.
 
 ``SglangServerApi`` speaks sglang's native API (``asyncrl.engine.sglang_api``, which also
 reads asyncrl's own front); ``VllmServerApi`` (``asyncrl.engine.vllm_client``) speaks
@@ -29,7 +30,7 @@ from typing import Protocol
 import aiohttp
 
 from asyncrl.engine import sglang_api as api
-from asyncrl.engine.base import SamplingParams
+from asyncrl.engine.base import SamplingParams, WeightsPush
 from asyncrl.engine.remote_weights import ServerState, get_json, post_json
 
 log = logging.getLogger("asyncrl.remote")
@@ -86,12 +87,13 @@ class ServerApi(Protocol):
         self,
         session: aiohttp.ClientSession,
         state: ServerState,
-        path: str,
+        path: str | WeightsPush,
         version: int,
         drain: Callable[[ServerState], Awaitable[None]],
     ) -> bool:
-        """Have the server load the HF directory ``path`` as ``version``; True once it
-        confirms. ``drain(state)`` returns once no attempt is in flight on the server."""
+        """Have the server load the HF directory ``path`` (or what the ``WeightsPush``
+        sends) as ``version``; True once it confirms. ``drain(state)`` returns once no
+        attempt is in flight on the server."""
         ...
 
 
@@ -145,10 +147,12 @@ class SglangServerApi:
         self,
         session: aiohttp.ClientSession,
         state: ServerState,
-        path: str,
+        path: str | WeightsPush,
         version: int,
         drain: Callable[[ServerState], Awaitable[None]],
     ) -> bool:
+        if not isinstance(path, str):  # RLExperiment.check_remote allows no such setting
+            raise TypeError("sglang servers take weights from disk or from the NCCL publisher")
         # Pausing ends the requests in flight (finish reason abort; they are resent). The
         # responses carry versions, so nothing needs draining.
         url = state.server.url

@@ -80,10 +80,12 @@ class RemoteEngineConfig:
     threads: int = 0
     """torch threads of each launched embedded server and of the generator process that
     drives them; 0 leaves torch's default. sglang ignores it."""
-    weight_update: Literal["disk", "nccl"] = "disk"
+    weight_update: Literal["disk", "nccl", "gloo"] = "disk"
     """How new weights reach the servers: ``disk``, a versioned HF directory each server
-    loads; ``nccl``, trainer rank 0 broadcasts into the servers' GPUs (GPU and sglang only:
-    vLLM's weight-transfer API is not driven yet)."""
+    loads; ``nccl``, trainer rank 0 broadcasts into the servers' GPUs (GPU; sglang's
+    ``/update_weights_from_distributed``, or vLLM's weight transfer, which needs ``vllm``
+    importable by the trainer too); ``gloo``, vLLM's weight transfer over a gloo group, as
+    asyncrl's front speaks it (``server=vllm`` attached by ``urls``; CPU, for tests)."""
     nccl_bucket_mb: int = 512
     """With ``nccl``: tensors broadcast per ``/update_weights_from_distributed`` call."""
 
@@ -112,10 +114,10 @@ class RemoteEngineConfig:
                 f"{p}weight_update=nccl needs sglang servers; the embedded server loads "
                 f"weights from disk only (set {p}weight_update=disk)"
             )
-        if self.weight_update == "nccl" and self.server == "vllm":
+        if self.weight_update == "gloo" and not (self.server == "vllm" and self.urls):
             raise ValueError(
-                f"{p}weight_update=nccl speaks sglang's /update_weights_from_distributed; "
-                f"vLLM's weight-transfer API is not driven yet (set {p}weight_update=disk)"
+                f"{p}weight_update=gloo is vLLM's weight transfer as asyncrl's front speaks "
+                f"it: it needs {p}server=vllm and the front's {p}urls (GPU servers: nccl)"
             )
         if self.nccl_bucket_mb < 1:
             raise ValueError(f"{p}nccl_bucket_mb must be >= 1")
@@ -206,6 +208,8 @@ def vllm_command(cfg: RemoteEngineConfig, model_path: str, port: int) -> list[st
         cmd += ["--gpu-memory-utilization", str(cfg.mem_fraction_static)]
     if cfg.max_seq_len:
         cmd += ["--max-model-len", str(cfg.max_seq_len)]
+    if cfg.weight_update == "nccl":  # the trainer sends weights by vLLM's NCCL engine
+        cmd += ["--weight-transfer-config", '{"backend": "nccl"}']
     return cmd
 
 

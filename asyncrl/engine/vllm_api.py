@@ -26,9 +26,10 @@ api_router.py``, ``.../dev/rpc/``, ``.../cache/``; vLLM serves them with
 - ``POST /reset_prefix_cache``: 200; the embedded engine keeps no prefix cache.
 
 Errors have vLLM's shape, ``{"error": {"message", "type", "param", "code"}}`` with the
-HTTP status. Not implemented: ``/sleep``, ``/wake_up``, the NCCL/IPC weight transfer
-(``/init_weight_transfer_engine``…: the embedded engine loads from disk only),
-``/weight_checker``, ``/pause/step`` (all 404).
+HTTP status. vLLM's weight transfer (``/init_weight_transfer_engine``,
+``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``,
+``/get_world_size``) is served over gloo instead of NCCL (``asyncrl.engine.vllm_transfer``).
+Not implemented: ``/sleep``, ``/wake_up``, ``/weight_checker``, ``/pause/step`` (all 404).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from asyncrl.engine.openai_api import error_body, json_response
 from asyncrl.engine.serve_engine import EngineServer
 from asyncrl.engine.serve_protocol import BadRequest, decode_body
 from asyncrl.engine.vllm_client import TESTED_VLLM
+from asyncrl.engine.vllm_transfer import FrontTransfer
 
 PAUSE_MODES = {"abort": "abort", "keep": "in_place", "wait": "in_place"}
 """vLLM's pause modes, as the ``EngineServer``'s (``wait`` first lets requests finish)."""
@@ -76,6 +78,7 @@ class VllmApi:
         app.router.add_post("/update_weight_version", self.update_weight_version)
         app.router.add_get("/weight_info", self.weight_info)
         app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        FrontTransfer(self.server).add_routes(app)
 
     async def version(self, request: web.Request) -> web.Response:
         return json_response({"version": TESTED_VLLM})

@@ -41,8 +41,10 @@ server runs with ``VLLM_SERVER_DEV_MODE=1``; launched servers get it.
   computed by the old weights is reused. vLLM's NCCL weight transfer (``POST
   /init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
   ``/finish_weight_update``, the tensors broadcast by the trainer with
-  ``vllm.distributed.weight_transfer``) is not driven yet: ``weight_update=nccl`` is
-  refused for vLLM by ``RemoteEngineConfig.check``.
+  ``vllm.distributed.weight_transfer``) is what ``weight_update=nccl`` drives: the pause
+  and drain as above, then the trainer sends the version into this server when asked
+  (the ``WeightsPush``; ``asyncrl.trainer.publish_vllm`` makes those calls), then
+  ``/resume``. Launched servers get ``--weight-transfer-config {"backend": "nccl"}``.
 - **Abort.** vLLM aborts a request when its HTTP connection closes: ``abort`` is the
   attempt's ``cancel`` event, which closes it.
 """
@@ -56,7 +58,7 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 
-from asyncrl.engine.base import SamplingParams
+from asyncrl.engine.base import SamplingParams, WeightsPush
 from asyncrl.engine.remote_weights import ServerState, get_json, post_json
 from asyncrl.engine.server_api import Attempt, AttemptEnd, NewTokens
 from asyncrl.engine.sglang_api import as_version
@@ -189,7 +191,7 @@ class VllmServerApi:
         self,
         session: aiohttp.ClientSession,
         state: ServerState,
-        path: str,
+        path: str | WeightsPush,
         version: int,
         drain: Callable[[ServerState], Awaitable[None]],
     ) -> bool:
@@ -198,6 +200,13 @@ class VllmServerApi:
             if await post_json(session, url, "/pause?mode=abort&clear_cache=true", {}) is None:
                 return False
             await drain(state)
+            if not isinstance(path, str):  # the trainer sends them in, then confirms
+                try:
+                    await asyncio.to_thread(path, url, version)
+                except (RuntimeError, TimeoutError) as e:
+                    log.warning("weights v%d were not sent into %s: %s", version, url, e)
+                    return False
+                return True
             rpc = {"method": "reload_weights", "kwargs": {"weights_path": path}}
             if await post_json(session, url, "/collective_rpc", rpc) is None:
                 return False

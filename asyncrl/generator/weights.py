@@ -10,6 +10,9 @@ update arrive there:
   delta, a bad checksum, a version stalled half-way) the thread asks the trainer for an
   anchor on its PULL socket, and again every ``ASK_EVERY_S`` while none has come.
 - ``WeightsOnDisk`` (remote engines): a directory the engine's servers load.
+- ``WeightsByTransfer`` (remote vLLM servers): weights the trainer sends into each server
+  when the engine asks, through a ``TrainerPush`` (a REQ socket to the trainer's
+  transfer endpoint), once it has paused and drained that server.
 
 A new lineage (a trainer restarted from a checkpoint) is taken whatever its version; from
 the same trainer, only newer versions.
@@ -29,7 +32,17 @@ from asyncrl.interfaces import Engine
 from asyncrl.rollout import RolloutConfig
 from asyncrl.transport import client_socket, read_endpoints
 from asyncrl.weights.receiver import NeedAnchor, WeightsReceiver
-from asyncrl.wire import AnchorRequest, WeightsBucket, WeightsOnDisk, WireDecoder, encode
+from asyncrl.wire import (
+    AnchorRequest,
+    TransferAsk,
+    TransferDone,
+    WeightsBucket,
+    WeightsByTransfer,
+    WeightsOnDisk,
+    WireDecoder,
+    WireError,
+    encode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +63,9 @@ class WeightsIntake:
     ) -> None:
         self.cfg, self.worker_id, self.engine, self.stats = cfg, worker_id, engine, stats
         self.ctx, self.stop = ctx, stop
-        self.decoder = WireDecoder(cfg.run_id, expected=WeightsBucket | WeightsOnDisk)
+        self.decoder = WireDecoder(
+            cfg.run_id, expected=WeightsBucket | WeightsOnDisk | WeightsByTransfer
+        )
         self.receiver = WeightsReceiver(cfg.transport.weights.timeout_s)
         self.lineage = ""  # of the weights the engine runs
         self.anchors_asked = 0
@@ -143,6 +158,10 @@ class WeightsIntake:
         if isinstance(header, WeightsOnDisk):
             self._offer(header.path, header.version, header.lineage, self.stats.weights_arriving())
             return
+        if isinstance(header, WeightsByTransfer):
+            push = TrainerPush(self.cfg, self.worker_id, header.endpoint, self.ctx)
+            self._offer(push, header.version, header.lineage, self.stats.weights_arriving())
+            return
         if len(frames) != 2:
             self.decoder.count("frames", f"{len(frames) - 1} payload frames in a bucket")
             return
@@ -171,3 +190,37 @@ class WeightsIntake:
             return
         self.lineage = lineage
         self.stats.weights_offered(version, arrived)
+
+
+class TrainerPush:
+    """A ``WeightsPush``: asks trainer rank 0, on its transfer endpoint, to send the
+    version it announced into one server (``asyncrl.trainer.publish_vllm``), and waits
+    for its answer. Called on the engine's threads; each call has its own socket."""
+
+    def __init__(self, cfg: RolloutConfig, worker_id: str, endpoint: str, ctx: zmq.Context):
+        self.cfg, self.worker_id, self.endpoint, self.ctx = cfg, worker_id, endpoint, ctx
+        self.decoder = WireDecoder(cfg.run_id, expected=TransferDone)
+
+    def __call__(self, url: str, version: int) -> None:
+        # The trainer serves one server at a time: others' transfers may come first.
+        timeout_s = 2 * self.cfg.engine.remote.request_timeout_s
+        sock = client_socket(self.ctx, zmq.REQ, self.cfg.transport, self.cfg.run_dir)
+        try:
+            sock.connect(self.endpoint)
+            ask = TransferAsk(
+                run_id=self.cfg.run_id, worker_id=self.worker_id, version=version, url=url
+            )
+            sock.send(encode(ask))
+            if not sock.poll(int(timeout_s * 1000)):
+                raise TimeoutError(
+                    f"trainer rank 0 ({self.endpoint}) did not send v{version} into {url} "
+                    f"within {timeout_s:.0f}s"
+                )
+            try:
+                done = self.decoder.decode(sock.recv())
+            except WireError as e:  # the trainer could not read the ask, or this the answer
+                raise RuntimeError(f"no answer from trainer rank 0 for v{version}: {e}") from e
+        finally:
+            sock.close(linger=0)
+        if not done.ok:
+            raise RuntimeError(done.why)

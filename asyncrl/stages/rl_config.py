@@ -6,6 +6,7 @@ which also re-exports both classes."""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -223,6 +224,13 @@ class RLExperiment:
             remote.check()
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if remote.weight_update == "disk":
+            return
+        if remote.urls and self.num_generators > 1:
+            raise ConfigError(
+                f"engine.remote.weight_update={remote.weight_update} with engine.remote.urls: "
+                "every generator would attach to the same servers; use num_generators=1"
+            )
         if remote.weight_update != "nccl":
             return
         # The trainer also refuses at start when it finds no CUDA device (device=auto).
@@ -231,10 +239,10 @@ class RLExperiment:
                 "engine.remote.weight_update=nccl broadcasts from the trainer's GPU, "
                 "and trainer.device=cpu: use engine.remote.weight_update=disk"
             )
-        if remote.urls and self.num_generators > 1:
+        if remote.server == "vllm" and importlib.util.find_spec("vllm") is None:
             raise ConfigError(
-                "engine.remote.weight_update=nccl with engine.remote.urls: every "
-                "generator would attach to the same servers; use num_generators=1"
+                "engine.remote.weight_update=nccl with engine.remote.server=vllm: the trainer "
+                "joins vLLM's NCCL group with vLLM's own code, and vllm does not import here"
             )
 
     def prerequisites(self) -> list[tuple[str, str]]:

@@ -22,7 +22,6 @@ each an ``asyncrl.interfaces.WeightPublisher`` (``publish``, ``republish``, ``cl
 from __future__ import annotations
 
 import collections
-import inspect
 import json
 import logging
 import re
@@ -31,7 +30,6 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -47,6 +45,7 @@ from asyncrl.transport import (
     server_socket,
     write_endpoints,
 )
+from asyncrl.weights.groups import side_group
 from asyncrl.weights.sender import BucketPublisher, new_lineage
 from asyncrl.wire import WeightsOnDisk, encode
 
@@ -60,12 +59,16 @@ def weight_publisher(cfg) -> WeightPublisher:
     """Rank 0's publisher for the generators' engine (``cfg`` is an ``RLExperiment``)."""
     if cfg.engine.backend == "embedded":
         return BucketPublisher(cfg)
+    if cfg.engine.remote.server == "vllm" and cfg.engine.remote.weight_update != "disk":
+        from asyncrl.trainer.publish_vllm import VllmTransferPublisher
+
+        return VllmTransferPublisher(cfg)
     if cfg.engine.remote.weight_update == "nccl":
         return NcclWeightPublisher(cfg)
     return DiskWeightPublisher(cfg)
 
 
-def _pub_socket(cfg) -> tuple[zmq.Context, zmq.Socket]:
+def pub_socket(cfg) -> tuple[zmq.Context, zmq.Socket]:
     """Rank 0's PUB socket, its endpoint written where generators find it."""
     ctx = zmq.Context()
     sock = server_socket(ctx, zmq.PUB, cfg.transport, cfg.run_dir)
@@ -115,7 +118,7 @@ class DiskWeightPublisher:
     place, the newest ``KEEP_VERSIONS`` kept) and announces it to every generator."""
 
     def __init__(self, cfg, keep: int = KEEP_VERSIONS) -> None:
-        self.ctx, self.sock = _pub_socket(cfg)
+        self.ctx, self.sock = pub_socket(cfg)
         self.run_id, self.model_path, self.keep = cfg.run_id, cfg.model.path, keep
         self.lineage = new_lineage()
         self.root = (Path(cfg.run_dir) / "weights").resolve()
@@ -235,7 +238,7 @@ class NcclWeightPublisher:
             # Each server's call returns only once the group is formed: rank 0 joins meanwhile.
             calls = [
                 pool.submit(
-                    _post,
+                    post_control,
                     url,
                     "/init_weights_update_group",
                     {
@@ -250,7 +253,7 @@ class NcclWeightPublisher:
                 )
                 for i, url in enumerate(urls)
             ]
-            self.group = _rank0_group(f"tcp://{address}:{port}", world, name, self.timeout_s)
+            self.group = side_group(address, port, 0, world, name, "nccl", self.timeout_s)
             for call in calls:
                 call.result()
         self.urls, self.groups_made, self.group_name = urls, self.groups_made + 1, name
@@ -278,7 +281,9 @@ class NcclWeightPublisher:
         with ThreadPoolExecutor(len(self.urls)) as pool:
             # The servers receive in the order of ``names`` while rank 0 sends.
             calls = [
-                pool.submit(_post, url, "/update_weights_from_distributed", payload, self.timeout_s)
+                pool.submit(
+                    post_control, url, "/update_weights_from_distributed", payload, self.timeout_s
+                )
                 for url in self.urls
             ]
             for _, tensor in bucket:
@@ -292,14 +297,15 @@ class NcclWeightPublisher:
     ) -> None:
         for url in urls if urls is not None else self.urls:
             try:
-                _post(url, path, payload, self.timeout_s)
+                post_control(url, path, payload, self.timeout_s)
             except (OSError, RuntimeError):
                 if check:
                     raise
 
 
-def _post(url: str, path: str, payload: dict, timeout_s: float) -> dict:
-    """POST JSON; the answer, or RuntimeError when the server reports failure."""
+def post_control(url: str, path: str, payload: dict, timeout_s: float) -> dict:
+    """POST JSON to a server's control route; the answer, or RuntimeError when the server
+    reports failure (``urllib.error.HTTPError`` when it answers an error status)."""
     request = urllib.request.Request(
         f"{url}{path}",
         data=json.dumps(payload).encode(),
@@ -313,26 +319,7 @@ def _post(url: str, path: str, payload: dict, timeout_s: float) -> dict:
     return body
 
 
-def _rank0_group(init_method: str, world_size: int, name: str, timeout_s: float):
-    """Rank 0 of a new NCCL process group beside the trainer's own (torch's private
-    helper: ``init_process_group`` allows one default group per process). sglang's servers
-    build theirs the same way: a TCP store at ``init_method``, prefixed by the group name."""
-    from torch.distributed import distributed_c10d as c10d
-
-    timeout = timedelta(seconds=timeout_s)
-    store, _, _ = next(c10d.rendezvous(init_method, 0, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    params = inspect.signature(c10d._new_process_group_helper).parameters
-    options = "backend_options" if "backend_options" in params else "pg_options"
-    group, _ = c10d._new_process_group_helper(
-        world_size,
-        0,
-        [],
-        c10d.Backend("nccl"),
-        c10d.PrefixStore(name, store),
-        group_name=name,
-        timeout=timeout,
-        **{options: None},
-    )
-    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
-    return group
+def get_control(url: str, path: str, timeout_s: float) -> dict:
+    """GET a server's control route; its JSON answer."""
+    with urllib.request.urlopen(f"{url}{path}", timeout=timeout_s) as resp:
+        return json.loads(resp.read().decode())

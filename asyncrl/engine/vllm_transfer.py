@@ -1,0 +1,175 @@
+"""vLLM's weight-transfer routes on asyncrl's front (``asyncrl.engine.serve``), received
+over a gloo group instead of NCCL, so the trainer's side of vLLM's weight transfer
+(``asyncrl.trainer.publish_vllm``, ``engine.remote.weight_update=gloo``) runs for real on
+CPU. Names and shapes are vLLM 0.33's (``vllm/entrypoints/serve/dev/rlhf/api_router.py``,
+``vllm/distributed/weight_transfer/nccl_engine.py``):
+
+- ``GET /get_world_size`` {``world_size``}: the server's workers (1 here).
+- ``POST /init_weight_transfer_engine`` {``init_info``: ``master_address``,
+  ``master_port``, ``rank_offset``, ``world_size``}: join the trainer's group as rank
+  ``rank_offset``; answers once every rank has joined. A new call replaces the group.
+- ``POST /start_weight_update``: begin a version (tensors received are held aside).
+- ``POST /update_weights`` {``update_info``: ``names``, ``dtype_names``, ``shapes``,
+  ``packed``}: receive one broadcast per tensor from rank 0, in that order; answers once
+  all have arrived. ``packed`` must be false (vLLM's packed buffers are not implemented).
+- ``POST /finish_weight_update`` {``weight_version``}: flip the engine to the tensors
+  received (every weight of the model must have come) between two steps, labelled
+  ``weight_version`` (absent: the label stays).
+
+Errors have vLLM's shape (``{"error": {...}}``); a route called out of order is a 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import torch
+import torch.distributed as dist
+from aiohttp import web
+
+from asyncrl.engine.openai_api import error_body, json_response
+from asyncrl.engine.serve_engine import EngineServer
+from asyncrl.engine.serve_protocol import BadRequest, decode_body
+from asyncrl.weights.groups import side_group
+
+log = logging.getLogger(__name__)
+
+GROUP_TIMEOUT_S = 600.0
+"""How long joining the group, or one broadcast, may wait for the trainer."""
+
+
+def _error(message: str, status: int = 400, param: str | None = None) -> web.Response:
+    return json_response(error_body(message, status, param), status)
+
+
+class FrontTransfer:
+    """The weight-transfer routes of one ``EngineServer``: its group and held tensors."""
+
+    def __init__(self, server: EngineServer) -> None:
+        self.server = server
+        self.group: dist.ProcessGroup | None = None
+        self.held: dict[str, torch.Tensor] | None = None
+        """Tensors of the version being received; None outside start … finish."""
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_get("/get_world_size", self.world_size)
+        app.router.add_post("/init_weight_transfer_engine", self.init)
+        app.router.add_post("/start_weight_update", self.start)
+        app.router.add_post("/update_weights", self.update)
+        app.router.add_post("/finish_weight_update", self.finish)
+
+    async def world_size(self, request: web.Request) -> web.Response:
+        return json_response({"world_size": 1})
+
+    async def init(self, request: web.Request) -> web.Response:
+        try:
+            info = (await _body(request)).get("init_info")
+            if not isinstance(info, dict):
+                raise BadRequest("Missing 'init_info' in request body")
+            address, port = _field(info, "master_address", str), _field(info, "master_port", int)
+            rank, world = _field(info, "rank_offset", int), _field(info, "world_size", int)
+        except BadRequest as exc:
+            return _error(str(exc), param="init_info")
+        if not 0 < rank < world:
+            return _error(f"rank_offset {rank} is outside world_size {world}", param="init_info")
+        self._close()
+        name = f"weights_transfer_{port}"  # as the trainer names it
+        join = (address, port, rank, world, name, "gloo", GROUP_TIMEOUT_S)
+        try:
+            self.group = await asyncio.get_running_loop().run_in_executor(None, side_group, *join)
+        except (RuntimeError, ValueError, OSError) as exc:
+            return _error(f"joining the weight-transfer group failed: {exc}", 500)
+        return json_response({"message": "Weight transfer initialized"})
+
+    async def start(self, request: web.Request) -> web.Response:
+        if self.group is None:
+            return _error("weight transfer not initialized: POST /init_weight_transfer_engine")
+        self.held = {}
+        return json_response({"message": "Weight update started"})
+
+    async def update(self, request: web.Request) -> web.Response:
+        try:
+            info = (await _body(request)).get("update_info")
+            if not isinstance(info, dict):
+                raise BadRequest("Missing 'update_info' in request body")
+            specs = _tensor_specs(info)
+        except BadRequest as exc:
+            return _error(str(exc), param="update_info")
+        if self.group is None or self.held is None:
+            return _error("no weight update started: POST /start_weight_update first")
+        receive = self._receive
+        try:
+            got = await asyncio.get_running_loop().run_in_executor(None, receive, specs)
+        except (RuntimeError, ValueError) as exc:
+            self.held = None
+            return _error(f"receiving the weights failed: {exc}", 500)
+        self.held.update(got)
+        return json_response({"message": "Weights updated"})
+
+    async def finish(self, request: web.Request) -> web.Response:
+        try:
+            label = (await _body(request)).get("weight_version")
+            if label is not None and not isinstance(label, str):
+                raise BadRequest(f"weight_version must be a string, got {label!r:.80}")
+        except BadRequest as exc:
+            return _error(str(exc), param="weight_version")
+        if self.held is None:
+            return _error("no weight update started: POST /start_weight_update first")
+        state, self.held = self.held, None
+        try:
+            await self.server.apply_weights(state, label)
+        except (ValueError, RuntimeError) as exc:
+            return _error(f"the weights received do not fit the model: {exc}")
+        return json_response({"message": "Weight update finished"})
+
+    def close(self) -> None:
+        self._close()
+
+    def _receive(self, specs: list[tuple[str, torch.dtype, list[int]]]) -> dict:
+        out = {}
+        for name, dtype, shape in specs:
+            tensor = torch.empty(shape, dtype=dtype)
+            dist.broadcast(tensor, src=0, group=self.group)
+            out[name] = tensor
+        return out
+
+    def _close(self) -> None:
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group, self.held = None, None
+
+
+async def _body(request: web.Request) -> dict:
+    raw = await request.read()
+    return decode_body(raw) if raw.strip() else {}
+
+
+def _field(info: dict, key: str, kind: type):
+    value = info.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise BadRequest(f"init_info.{key} must be a {kind.__name__}, got {value!r:.80}")
+    return value
+
+
+def _tensor_specs(info: dict) -> list[tuple[str, torch.dtype, list[int]]]:
+    """(name, dtype, shape) of each tensor an ``update_info`` announces."""
+    names, dtypes, shapes = info.get("names"), info.get("dtype_names"), info.get("shapes")
+    if not all(isinstance(x, list) for x in (names, dtypes, shapes)):
+        raise BadRequest("update_info needs the lists names, dtype_names and shapes")
+    if not len(names) == len(dtypes) == len(shapes):
+        raise BadRequest(
+            f"`dtype_names` and `shapes` should be of the same size as `names`: got "
+            f"{len(dtypes)}, {len(shapes)} and {len(names)}"
+        )
+    if info.get("packed"):
+        raise BadRequest("packed broadcasts are not implemented by this server (packed=false)")
+    specs = []
+    for name, dtype_name, shape in zip(names, dtypes, shapes):
+        dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None
+        if not isinstance(dtype, torch.dtype):
+            raise BadRequest(f"{name}: unknown dtype {dtype_name!r}")
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise BadRequest(f"{name}: shape {shape!r:.80} is not a list of sizes")
+        specs.append((str(name), dtype, shape))
+    return specs

@@ -1,0 +1,198 @@
+"""vLLM's weight transfer, driven end to end on CPU: trainer rank 0's
+``VllmTransferPublisher`` sends versions into asyncrl's front (which speaks vLLM's
+weight-transfer routes over gloo) when the remote engine's vLLM client asks, after pausing
+and draining the server. The same calls, with vLLM's NCCL engine on both ends, are what
+``engine.remote.weight_update=nccl`` makes against real vLLM (``tools/gpu_check.sh``)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import math
+import urllib.error
+import urllib.request
+from types import SimpleNamespace
+
+import pytest
+import torch
+import zmq
+
+from asyncrl.config import ConfigError, load_experiment
+from asyncrl.engine.base import Request, SamplingParams
+from asyncrl.engine.config import EngineConfig
+from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from asyncrl.engine.remote import RemoteEngine
+from asyncrl.engine.servers import RemoteEngineConfig
+from asyncrl.generator.weights import TrainerPush
+from asyncrl.interfaces import FullParameters
+from asyncrl.metrics import read_metrics
+from asyncrl.models import ModelConfig, load_model
+from asyncrl.trainer.publish import weight_publisher
+from asyncrl.trainer.publish_vllm import VllmTransferPublisher
+from asyncrl.transport import TransportConfig
+
+from .test_remote_engine import drain, perturbed_weights
+from .test_vllm_client import VLLM, launched_front, run_tiny_grpo
+
+GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
+
+
+def transfer_config(run_dir, remote: RemoteEngineConfig) -> SimpleNamespace:
+    """What the publisher and ``TrainerPush`` read of an ``RLExperiment``."""
+    return SimpleNamespace(
+        run_dir=str(run_dir),
+        run_id="run",
+        num_generators=1,
+        transport=TransportConfig(),
+        engine=EngineConfig(backend="remote", remote=remote),
+    )
+
+
+def call(url: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+    """(status, JSON answer) of a GET, or of a POST of ``body``."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(
+        f"{url}{path}", data=data, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def greedy(engine, prompt: list[int]) -> list:
+    engine.submit(Request("a", prompt, GREEDY))
+    tokens, _ = drain(engine, ["a"])
+    return tokens["a"]
+
+
+def test_the_trainer_sends_versions_into_a_vllm_api_server(tiny_model_dir, tmp_path):
+    """Two versions through one group: the server then generates each version's greedy
+    tokens with the logprobs of an engine loaded with those weights, labelled by version;
+    an ask for a version the trainer has moved past is refused, naming both."""
+    with launched_front(tiny_model_dir, tmp_path) as url:
+        remote = RemoteEngineConfig(
+            urls=[url], server="vllm", weight_update="gloo", threads=1, request_timeout_s=60
+        )
+        cfg = transfer_config(tmp_path / "run", remote)
+        with sending(cfg, tiny_model_dir) as (publisher, engine, push):
+            for version in (1, 2):
+                check_a_version(publisher, engine, push, version, tmp_path, tiny_model_dir, 1e-5)
+                assert call(url, "/weight_info") == (200, {"weight_version": str(version)})
+            assert publisher.transfers == 2 and list(publisher.senders) == [url]
+            with pytest.raises(RuntimeError, match=r"v1 is not the newest weights here \(v2\)"):
+                push(url, 1)
+
+
+@contextlib.contextmanager
+def sending(cfg: SimpleNamespace, model_dir: str):
+    """(the trainer's publisher, a remote engine on ``cfg``'s servers, its TrainerPush)."""
+    publisher = weight_publisher(cfg)
+    assert isinstance(publisher, VllmTransferPublisher)
+    engine = RemoteEngine(model_dir, cfg.engine.remote, log_dir=cfg.run_dir)
+    ctx = zmq.Context()
+    try:
+        yield publisher, engine, TrainerPush(cfg, "g0", publisher.endpoint, ctx)
+    finally:
+        engine.close()
+        publisher.close()
+        ctx.destroy(linger=0)
+
+
+def check_a_version(publisher, engine, push, version, tmp_path, model_dir, tol):
+    """Publish ``version`` (odd: perturbed weights; even: the model's), have the engine
+    ask for it, and compare its greedy tokens with an embedded engine's on those weights."""
+    weights = perturbed_weights(model_dir, tmp_path / f"v{version}") if version % 2 else model_dir
+    state = load_model(ModelConfig(path=str(weights))).state_dict()
+    if publisher.sender_cls.__name__ == "VllmNcclSender":
+        state = {name: t.cuda() for name, t in state.items()}
+    publisher.publish(version, FullParameters.of(state))
+    engine.stage_weights(push, version, wait=True)
+    got = greedy(engine, [3, 4, 5])
+    assert {t.version for t in got} == {version}
+    local = EmbeddedEngine(str(weights), EmbeddedEngineConfig(max_slots=2, threads=1))
+    want = greedy(local, [3, 4, 5])
+    local.close()
+    assert [t.token_id for t in got] == [t.token_id for t in want]
+    assert all(math.isclose(g.logprob, w.logprob, abs_tol=tol) for g, w in zip(got, want))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not VLLM, reason="needs vllm and a CUDA GPU")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL refuses two ranks on one GPU")
+def test_the_trainer_sends_versions_into_vllm_over_nccl(tiny_model_dir, tmp_path):
+    """The same against ``vllm serve`` launched with vLLM's NCCL weight-transfer engine:
+    the server on the first GPU, the trainer's rank 0 on the last."""
+    torch.cuda.set_device(torch.cuda.device_count() - 1)
+    remote = RemoteEngineConfig(
+        server="vllm",
+        weight_update="nccl",
+        mem_fraction_static=0.2,
+        max_seq_len=128,
+        extra_args=["--enforce-eager", "--dtype", "float32"],
+    )
+    cfg = transfer_config(tmp_path / "run", remote)
+    with sending(cfg, tiny_model_dir) as (publisher, engine, push):
+        for version in (1, 2):  # vLLM computes in its own kernels: logprobs close, not equal
+            check_a_version(publisher, engine, push, version, tmp_path, tiny_model_dir, 2e-2)
+        assert publisher.transfers == 2
+
+
+def test_the_fronts_transfer_routes_answer_vllms_errors(tiny_model_dir, tmp_path):
+    """Out of order, or malformed: a 400 with vLLM's error shape, nothing applied."""
+    with launched_front(tiny_model_dir, tmp_path) as url:
+        assert call(url, "/get_world_size") == (200, {"world_size": 1})
+        cases = [
+            ("/start_weight_update", {}, "not initialized"),
+            ("/update_weights", {}, "Missing 'update_info'"),
+            ("/init_weight_transfer_engine", {"init_info": {"master_port": 1}}, "master_address"),
+            ("/finish_weight_update", {"weight_version": "1"}, "no weight update started"),
+        ]
+        for path, body, message in cases:
+            status, answer = call(url, path, body)
+            assert status == 400, (path, answer)
+            assert message in answer["error"]["message"] and answer["error"]["code"] == 400
+        packed = {"names": ["w"], "dtype_names": ["float32"], "shapes": [[2]], "packed": True}
+        status, answer = call(url, "/update_weights", {"update_info": packed})
+        assert status == 400 and "packed" in answer["error"]["message"]
+        assert call(url, "/weight_info") == (200, {"weight_version": "default"})
+
+
+def test_the_transfer_settings_are_checked_before_a_run(tiny_model_dir):
+    base = load_experiment("experiments/tiny_grpo.py")
+    gloo = RemoteEngineConfig(server="vllm", weight_update="gloo")
+    with pytest.raises(ValueError, match="needs engine.remote.server=vllm and the front's"):
+        gloo.check()  # no urls: it would launch real vLLM, which speaks NCCL
+    remote = RemoteEngineConfig(server="vllm", weight_update="gloo", urls=["http://h:1"])
+    base.engine = EngineConfig(backend="remote", remote=remote)
+    base.num_generators = 2
+    with pytest.raises(ConfigError, match="every generator would attach to the same servers"):
+        base.check_remote()
+    base.num_generators = 1
+    base.engine.remote = RemoteEngineConfig(server="vllm", weight_update="nccl")
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(ConfigError, match="vllm does not import here"):
+            base.check_remote()
+
+
+@pytest.mark.slow
+def test_launcher_runs_tiny_grpo_with_weights_sent_by_vllms_transfer(tiny_model_dir, tmp_path):
+    """The asynchronous loop with its generator attached to the front through vLLM's API and
+    weights sent by the trainer over gloo: no weights directory is written, the front runs
+    published versions, and consumed tokens carry them."""
+    run_dir = tmp_path / "run"
+    with launched_front(tiny_model_dir, tmp_path) as front:
+        proc = run_tiny_grpo(run_dir, tiny_model_dir, front, "engine.remote.weight_update=gloo")
+        label = call(front, "/weight_info")[1]["weight_version"]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 4
+    losses = [r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r]
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
+    assert not (run_dir / "weights").exists()
+    counters = json.loads((run_dir / "buffer_counters.json").read_text())
+    assert counters["buffer/generator_version_max"] >= 2
+    assert counters["buffer/newest_consumed_version"] >= 1
+    summary = json.loads((run_dir / "generator_g0_summary.json").read_text())
+    assert summary["weights_received"] >= 2 and int(label) >= 2
