@@ -116,8 +116,9 @@ class Engine(Protocol):
         ...
 
     def stage_weights(self, weights: Weights, version: int, *, wait: bool = False) -> None:
-        """Offer weights ``version`` (tensors, which the engine adopts, or a directory on
-        disk); received off the decode path and used from a later step on. Offers not
+        """Offer weights ``version`` (tensors, which the engine adopts, a directory on disk,
+        or, for remote vLLM servers, a ``WeightsPush``); received off the decode path and
+        used from a later step on. Offers not
         newer than the engine's newest are ignored by the remote engine. ``wait``: return
         only once ``version`` is in use, for a caller that is not stepping meanwhile (the
         colocated placement)."""

@@ -288,12 +288,15 @@ class WeightsByTransfer(Message):
 
 
 class TransferAsk(Message):
-    """Generator -> trainer rank 0: send weights ``version`` into the server at ``url``,
-    which the generator has paused and drained; answered by ``TransferDone``."""
+    """Generator -> trainer rank 0: send weights ``version`` of ``lineage`` into the server
+    at ``url``, which the generator has paused and drained; answered by ``TransferDone``.
+    Past ``deadline`` (``time.time()``) the generator has given up: no transfer starts."""
 
     worker_id: str
     version: int
     url: str
+    lineage: str
+    deadline: float
 
 
 class TransferDone(Message):
@@ -304,6 +307,8 @@ class TransferDone(Message):
     url: str
     ok: bool
     why: str = ""
+    touched: bool = False
+    """Not ``ok``, and the server's weights may have been partly replaced."""
 
 
 ANY_MESSAGE = (

@@ -401,7 +401,7 @@ def test_remote_config_is_checked(tiny_model_dir):
         finalize("engine.remote.urls=localhost:30000")
     with pytest.raises(ConfigError, match="trainer.device=cpu"):
         finalize("engine.remote.weight_update=nccl", "trainer.device=cpu")
-    with pytest.raises(ConfigError, match="weight_update=nccl needs sglang"):
+    with pytest.raises(ConfigError, match="weight_update=nccl needs sglang or vLLM"):
         finalize("engine.remote.weight_update=nccl", "engine.remote.server=embedded")
     with pytest.raises(ConfigError, match="placement=colocated"):
         finalize("placement=colocated")

@@ -10,6 +10,8 @@ import contextlib
 import importlib.util
 import json
 import math
+import threading
+import time
 import urllib.error
 import urllib.request
 from types import SimpleNamespace
@@ -19,7 +21,7 @@ import torch
 import zmq
 
 from asyncrl.config import ConfigError, load_experiment
-from asyncrl.engine.base import Request, SamplingParams
+from asyncrl.engine.base import PushFailed, Request, SamplingParams
 from asyncrl.engine.config import EngineConfig
 from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from asyncrl.engine.remote import RemoteEngine
@@ -31,6 +33,7 @@ from asyncrl.models import ModelConfig, load_model
 from asyncrl.trainer.publish import weight_publisher
 from asyncrl.trainer.publish_vllm import VllmTransferPublisher
 from asyncrl.transport import TransportConfig
+from asyncrl.wire import TransferAsk, TransferDone, WeightsByTransfer, WireDecoder, encode
 
 from .test_remote_engine import drain, perturbed_weights
 from .test_vllm_client import VLLM, launched_front, run_tiny_grpo
@@ -82,8 +85,69 @@ def test_the_trainer_sends_versions_into_a_vllm_api_server(tiny_model_dir, tmp_p
                 check_a_version(publisher, engine, push, version, tmp_path, tiny_model_dir, 1e-5)
                 assert call(url, "/weight_info") == (200, {"weight_version": str(version)})
             assert publisher.transfers == 2 and list(publisher.senders) == [url]
-            with pytest.raises(RuntimeError, match=r"v1 is not the newest weights here \(v2\)"):
+            with pytest.raises(PushFailed, match=r"v1 is not the newest here \(v2\)") as e:
                 push(url, 1)
+            assert not e.value.touched
+            # Refused untouched: an ask its generator gave up on, another trainer's.
+            late = ask_raw(publisher, url, 2, publisher.lineage, deadline=time.time() - 1)
+            other = ask_raw(publisher, url, 2, "another", deadline=time.time() + 60)
+            assert (late.ok, late.touched, other.ok, other.touched) == (False,) * 4
+            assert "after its deadline" in late.why and "another trainer's" in other.why
+            assert publisher.transfers == 2
+
+
+def test_a_server_torn_by_a_failed_transfer_waits_paused_for_the_next(tiny_model_dir, tmp_path):
+    """A push that fails once it may have touched the server's weights leaves it paused
+    and out of rotation (requests wait, none runs on mixed weights under the old label);
+    the next successful transfer resumes it, and the waiting request runs on that version."""
+    with launched_front(tiny_model_dir, tmp_path) as url:
+        remote = RemoteEngineConfig(
+            urls=[url], server="vllm", weight_update="gloo", threads=1, request_timeout_s=60
+        )
+        cfg = transfer_config(tmp_path / "run", remote)
+        with sending(cfg, tiny_model_dir) as (publisher, engine, push):
+
+            def torn(url: str, version: int) -> None:
+                raise PushFailed("the broadcast broke half-way", touched=True)
+
+            engine.stage_weights(torn, 1)
+            deadline = time.time() + 30
+            while not engine.servers[0].torn:
+                assert time.time() < deadline, "the failed push was never tried"
+                time.sleep(0.05)
+            assert call(url, "/is_paused") == (200, {"is_paused": True})
+            engine.submit(Request("a", [3, 4, 5], GREEDY))
+            time.sleep(1.0)
+            out = engine.step()
+            assert not out.tokens and engine.status().running == 0  # it waits, unsent
+            state = load_model(ModelConfig(path=tiny_model_dir)).state_dict()
+            publisher.publish(2, FullParameters.of(state))
+            engine.stage_weights(push, 2, wait=True)
+            assert call(url, "/is_paused") == (200, {"is_paused": False})
+            tokens, _ = drain(engine, ["a"])
+            assert tokens["a"] and {t.version for t in tokens["a"]} == {2}
+            assert not engine.servers[0].torn
+
+
+def ask_raw(publisher, url: str, version: int, lineage: str, deadline: float) -> TransferDone:
+    """The publisher's answer to one ``TransferAsk``, sent as a generator sends it."""
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.REQ)
+        sock.connect(publisher.endpoint)
+        ask = TransferAsk(
+            run_id="run",
+            worker_id="g9",
+            version=version,
+            url=url,
+            lineage=lineage,
+            deadline=deadline,
+        )
+        sock.send(encode(ask))
+        assert sock.poll(30_000)
+        return WireDecoder("run", expected=TransferDone).decode(sock.recv())
+    finally:
+        ctx.destroy(linger=0)
 
 
 @contextlib.contextmanager
@@ -92,9 +156,12 @@ def sending(cfg: SimpleNamespace, model_dir: str):
     publisher = weight_publisher(cfg)
     assert isinstance(publisher, VllmTransferPublisher)
     engine = RemoteEngine(model_dir, cfg.engine.remote, log_dir=cfg.run_dir)
-    ctx = zmq.Context()
+    ctx, stop = zmq.Context(), threading.Event()
+    header = WeightsByTransfer(
+        run_id=cfg.run_id, version=0, endpoint=publisher.endpoint, lineage=publisher.lineage
+    )
     try:
-        yield publisher, engine, TrainerPush(cfg, "g0", publisher.endpoint, ctx)
+        yield publisher, engine, TrainerPush(cfg, "g0", header, ctx, stop)
     finally:
         engine.close()
         publisher.close()
@@ -105,9 +172,7 @@ def check_a_version(publisher, engine, push, version, tmp_path, model_dir, tol):
     """Publish ``version`` (odd: perturbed weights; even: the model's), have the engine
     ask for it, and compare its greedy tokens with an embedded engine's on those weights."""
     weights = perturbed_weights(model_dir, tmp_path / f"v{version}") if version % 2 else model_dir
-    state = load_model(ModelConfig(path=str(weights))).state_dict()
-    if publisher.sender_cls.__name__ == "VllmNcclSender":
-        state = {name: t.cuda() for name, t in state.items()}
+    state = load_model(ModelConfig(path=str(weights))).state_dict()  # on the CPU, as gathered
     publisher.publish(version, FullParameters.of(state))
     engine.stage_weights(push, version, wait=True)
     got = greedy(engine, [3, 4, 5])

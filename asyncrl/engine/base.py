@@ -82,13 +82,23 @@ class StepOutput:
     """Weights version the step ran with."""
 
 
+class PushFailed(RuntimeError):
+    """A ``WeightsPush`` did not bring its server to the version; ``touched``: the server's
+    weights may have been partly replaced (or nobody can tell), so it must not generate
+    until an update succeeds."""
+
+    def __init__(self, why: str, touched: bool) -> None:
+        super().__init__(why)
+        self.touched = touched
+
+
 class WeightsPush(Protocol):
     """Weights the trainer sends into one server itself, when asked: vLLM's weight transfer
     (``asyncrl.trainer.publish_vllm``). Remote engines with vLLM servers only."""
 
     def __call__(self, url: str, version: int) -> None:
         """Return once the server at ``url`` (paused and drained by the caller) runs
-        ``version``; raise RuntimeError or TimeoutError saying why when it does not."""
+        ``version``; raise ``PushFailed`` saying why when it does not."""
         ...
 
 

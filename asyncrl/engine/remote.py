@@ -24,8 +24,9 @@ the embedded engine. What differs between servers is one ``ServerApi`` object
   server (ending its requests), has it load the directory and resumes it (for vLLM after
   ``_drain``: no attempt left on it). A server's version advances only when it confirms;
   the engine's version is the oldest of its servers'. Raw tensors are written as such a
-  directory first. With NCCL updates the trainer pauses, broadcasts and continues the
-  servers itself; the engine follows the versions the responses report.
+  directory first; a ``WeightsPush`` (vLLM's weight transfer) sends the version into the
+  paused, drained server instead. With NCCL into sglang the trainer pauses, broadcasts
+  and continues the servers itself; the engine follows the versions responses report.
 - **Interruption and resumption** (AReaL's interruptible generation). A pause
   ends every request on the server with finish reason ``abort``; a request the caller
   did not abort is sent again as prompt + the tokens generated so far, with
@@ -38,10 +39,9 @@ the embedded engine. What differs between servers is one ``ServerApi`` object
 
 Differences from the embedded engine: a request's seed goes to the server keyed by where
 each attempt starts (sglang applies it in its deterministic mode only), and
-``max_new_tokens`` is capped so that prompt + completion fit
-``max_seq_len``. Stop strings go with every attempt, and a server looks for them in what
-that attempt generates: one split by an interruption ends nothing (the reward's text is
-still cut at it).
+``max_new_tokens`` is capped so that prompt + completion fit ``max_seq_len``. Stop strings
+go with every attempt, and a server looks for them in what that attempt generates: one
+split by an interruption ends nothing (the reward's text is still cut at it).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ from asyncrl.engine.base import (
     WeightsPush,
 )
 from asyncrl.engine.remote_weights import ServerState, ServerUpdates
-from asyncrl.engine.server_api import Attempt, NewTokens, ServerApi, SglangServerApi
+from asyncrl.engine.server_api import Attempt, NewTokens, server_api
 from asyncrl.engine.servers import (
     RemoteEngineConfig,
     log_tail,
@@ -78,7 +78,6 @@ from asyncrl.engine.servers import (
     stop_servers,
     write_weights_dir,
 )
-from asyncrl.engine.vllm_client import VllmServerApi
 from asyncrl.models import model_config
 
 log = logging.getLogger(__name__)
@@ -279,11 +278,13 @@ class RemoteEngine:
         return aiohttp.ClientSession(timeout=timeout, read_bufsize=1 << 22)
 
     def _dispatch(self) -> None:
-        """Send queued requests to the least busy servers that are not being updated."""
+        """Send queued requests to the least busy servers neither updating nor torn."""
         with self._lock:
             while self._queued:
                 open_ = [
-                    s for s in self.servers if not s.updating and s.inflight < self.cfg.max_inflight
+                    s
+                    for s in self.servers
+                    if not (s.updating or s.torn) and s.inflight < self.cfg.max_inflight
                 ]
                 if not open_:
                     return
@@ -396,11 +397,3 @@ class RemoteEngine:
         with self._arrived:
             self._failure = message
             self._arrived.notify_all()
-
-
-def server_api(server: str, eos_ids: set[int]) -> ServerApi:
-    """The ``ServerApi`` of ``engine.remote.server``: vLLM's for ``vllm``, sglang's for
-    ``sglang`` and ``embedded`` (the front's default API)."""
-    if server == "vllm":
-        return VllmServerApi(eos_ids)
-    return SglangServerApi(eos_ids)

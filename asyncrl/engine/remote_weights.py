@@ -2,12 +2,13 @@
 
 ``ServerUpdates`` is ``RemoteEngine``'s collaborator for weights: it owns the engine's
 weights version (the oldest of its servers') and the offered one, takes offers of
-versioned HF directories (or ``WeightsPush``es) from any thread, and updates the servers on the engine's event
-loop, one at a time, so the others keep generating: no new request goes to the server
-being updated, and ``load`` (its ``ServerApi.load_weights``, ``asyncrl.engine.server_api``)
-interrupts its requests in flight (the engine sends them again as prompt + tokens so far)
-and has it load the directory. A server's version advances only when it confirms. A
-failed update is forgotten, so the trainer's next announcement retries it.
+versioned HF directories (or ``WeightsPush``es) from any thread, and updates the servers
+on the engine's event loop, one at a time, so the others keep generating: no new request
+goes to the server being updated, and ``load`` (its ``ServerApi.load_weights``,
+``asyncrl.engine.server_api``) interrupts its requests in flight (the engine sends them
+again as prompt + tokens so far) and has it load the weights. A server's version advances
+only when it confirms. A failed update is forgotten, so the trainer's next announcement
+retries it.
 ``ServerState`` is what the engine and this class know of one server; ``post_json`` and
 ``get_json`` are the control calls every ``ServerApi`` makes.
 """
@@ -41,6 +42,9 @@ class ServerState:
     """Requests sent to it that have not ended."""
     updating: bool = False
     """Its weights are being updated: no new request goes there meanwhile."""
+    torn: bool = False
+    """A transfer into it failed part-way (or without an answer): its weights may be a mix
+    of two versions, so it stays paused and gets no request until an update succeeds."""
 
 
 async def post_json(
@@ -164,6 +168,8 @@ class ServerUpdates:
             path, version = target
             start = time.perf_counter()
             for state in self.servers:
+                if self._target != target:  # a newer version came: no server waits for this one
+                    break
                 if state.version < version:
                     await self._update_one(state, path, version)
             self.last_update_s = time.perf_counter() - start

@@ -87,7 +87,8 @@ class RemoteEngineConfig:
     importable by the trainer too); ``gloo``, vLLM's weight transfer over a gloo group, as
     asyncrl's front speaks it (``server=vllm`` attached by ``urls``; CPU, for tests)."""
     nccl_bucket_mb: int = 512
-    """With ``nccl``: tensors broadcast per ``/update_weights_from_distributed`` call."""
+    """With ``nccl`` into sglang: tensors broadcast per ``/update_weights_from_distributed``
+    call (vLLM's transfer packs its own buffers)."""
 
     def check(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -111,8 +112,8 @@ class RemoteEngineConfig:
             raise ValueError(f"{p}max_inflight must be >= 1")
         if self.weight_update == "nccl" and self.server == "embedded" and not self.urls:
             raise ValueError(
-                f"{p}weight_update=nccl needs sglang servers; the embedded server loads "
-                f"weights from disk only (set {p}weight_update=disk)"
+                f"{p}weight_update=nccl needs sglang or vLLM servers; a launched embedded "
+                f"server loads weights from disk (set {p}weight_update=disk)"
             )
         if self.weight_update == "gloo" and not (self.server == "vllm" and self.urls):
             raise ValueError(

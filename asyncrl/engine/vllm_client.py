@@ -41,10 +41,12 @@ server runs with ``VLLM_SERVER_DEV_MODE=1``; launched servers get it.
   computed by the old weights is reused. vLLM's NCCL weight transfer (``POST
   /init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
   ``/finish_weight_update``, the tensors broadcast by the trainer with
-  ``vllm.distributed.weight_transfer``) is what ``weight_update=nccl`` drives: the pause
-  and drain as above, then the trainer sends the version into this server when asked
-  (the ``WeightsPush``; ``asyncrl.trainer.publish_vllm`` makes those calls), then
-  ``/resume``. Launched servers get ``--weight-transfer-config {"backend": "nccl"}``.
+  ``vllm.distributed.weight_transfer``) is what ``weight_update=nccl`` drives (``gloo``
+  against asyncrl's front, which receives over gloo): the pause and drain as above, then
+  the trainer sends the version into this server when asked (the ``WeightsPush``;
+  ``asyncrl.trainer.publish_vllm`` makes those calls), then ``/resume``. A server whose
+  transfer failed part-way is left paused and gets no request until one succeeds.
+  Launched servers get ``--weight-transfer-config {"backend": "nccl"}``.
 - **Abort.** vLLM aborts a request when its HTTP connection closes: ``abort`` is the
   attempt's ``cancel`` event, which closes it.
 """
@@ -58,7 +60,7 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 
-from asyncrl.engine.base import SamplingParams, WeightsPush
+from asyncrl.engine.base import PushFailed, SamplingParams, WeightsPush
 from asyncrl.engine.remote_weights import ServerState, get_json, post_json
 from asyncrl.engine.server_api import Attempt, AttemptEnd, NewTokens
 from asyncrl.engine.sglang_api import as_version
@@ -200,13 +202,8 @@ class VllmServerApi:
             if await post_json(session, url, "/pause?mode=abort&clear_cache=true", {}) is None:
                 return False
             await drain(state)
-            if not isinstance(path, str):  # the trainer sends them in, then confirms
-                try:
-                    await asyncio.to_thread(path, url, version)
-                except (RuntimeError, TimeoutError) as e:
-                    log.warning("weights v%d were not sent into %s: %s", version, url, e)
-                    return False
-                return True
+            if not isinstance(path, str):
+                return await self._pushed(state, path, version)
             rpc = {"method": "reload_weights", "kwargs": {"weights_path": path}}
             if await post_json(session, url, "/collective_rpc", rpc) is None:
                 return False
@@ -215,7 +212,23 @@ class VllmServerApi:
             await post_json(session, url, "/update_weight_version", {"new_version": str(version)})
             return True
         finally:
-            await post_json(session, url, "/resume", {})
+            if not state.torn:
+                await post_json(session, url, "/resume", {})
+
+    @staticmethod
+    async def _pushed(state: ServerState, push: WeightsPush, version: int) -> bool:
+        """Have the trainer send ``version`` into the paused, drained server. One that may
+        hold part of it (a failure mid-transfer, or no answer) is left paused and torn:
+        resumed, it would generate from mixed weights under the old version's label."""
+        try:
+            await asyncio.to_thread(push, state.server.url, version)
+        except PushFailed as e:
+            state.torn = state.torn or e.touched
+            left = "left paused until an update succeeds" if state.torn else "resumed"
+            log.warning("weights v%d not sent into %s (%s): %s", version, state.server.url, left, e)
+            return False
+        state.torn = False
+        return True
 
 
 async def _post(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, object]:

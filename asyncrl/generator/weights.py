@@ -27,6 +27,7 @@ import time
 
 import zmq
 
+from asyncrl.engine.base import PushFailed
 from asyncrl.generator.stats import GeneratorStats
 from asyncrl.interfaces import Engine
 from asyncrl.rollout import RolloutConfig
@@ -159,7 +160,7 @@ class WeightsIntake:
             self._offer(header.path, header.version, header.lineage, self.stats.weights_arriving())
             return
         if isinstance(header, WeightsByTransfer):
-            push = TrainerPush(self.cfg, self.worker_id, header.endpoint, self.ctx)
+            push = TrainerPush(self.cfg, self.worker_id, header, self.ctx, self.stop)
             self._offer(push, header.version, header.lineage, self.stats.weights_arriving())
             return
         if len(frames) != 2:
@@ -195,32 +196,56 @@ class WeightsIntake:
 class TrainerPush:
     """A ``WeightsPush``: asks trainer rank 0, on its transfer endpoint, to send the
     version it announced into one server (``asyncrl.trainer.publish_vllm``), and waits
-    for its answer. Called on the engine's threads; each call has its own socket."""
+    for its answer. Called on the engine's threads; each call has its own socket.
 
-    def __init__(self, cfg: RolloutConfig, worker_id: str, endpoint: str, ctx: zmq.Context):
-        self.cfg, self.worker_id, self.endpoint, self.ctx = cfg, worker_id, endpoint, ctx
+    The ask carries a deadline: the trainer starts no transfer past it, so an ask this
+    side gave up on is never served later into a server that runs again. Giving up
+    (no answer by then, or the generator stopping) counts as touched: the trainer may
+    be sending still."""
+
+    def __init__(
+        self,
+        cfg: RolloutConfig,
+        worker_id: str,
+        header: WeightsByTransfer,
+        ctx: zmq.Context,
+        stop: threading.Event,
+    ) -> None:
+        self.cfg, self.worker_id, self.ctx, self.stop = cfg, worker_id, ctx, stop
+        self.endpoint, self.lineage = header.endpoint, header.lineage
         self.decoder = WireDecoder(cfg.run_id, expected=TransferDone)
+
+    def __repr__(self) -> str:
+        return f"TrainerPush({self.endpoint})"
 
     def __call__(self, url: str, version: int) -> None:
         # The trainer serves one server at a time: others' transfers may come first.
-        timeout_s = 2 * self.cfg.engine.remote.request_timeout_s
+        wait_s = 2 * self.cfg.engine.remote.request_timeout_s
+        deadline = time.time() + wait_s
+        ask = TransferAsk(
+            run_id=self.cfg.run_id,
+            worker_id=self.worker_id,
+            version=version,
+            url=url,
+            lineage=self.lineage,
+            deadline=deadline,
+        )
         sock = client_socket(self.ctx, zmq.REQ, self.cfg.transport, self.cfg.run_dir)
         try:
             sock.connect(self.endpoint)
-            ask = TransferAsk(
-                run_id=self.cfg.run_id, worker_id=self.worker_id, version=version, url=url
-            )
             sock.send(encode(ask))
-            if not sock.poll(int(timeout_s * 1000)):
-                raise TimeoutError(
-                    f"trainer rank 0 ({self.endpoint}) did not send v{version} into {url} "
-                    f"within {timeout_s:.0f}s"
-                )
-            try:
-                done = self.decoder.decode(sock.recv())
-            except WireError as e:  # the trainer could not read the ask, or this the answer
-                raise RuntimeError(f"no answer from trainer rank 0 for v{version}: {e}") from e
+            while not sock.poll(500):  # in slices: a stopping generator does not wait
+                if self.stop.is_set() or time.time() > deadline:
+                    why = "the generator is stopping" if self.stop.is_set() else "no answer"
+                    raise PushFailed(
+                        f"{why} from trainer rank 0 ({self.endpoint}) for v{version} into "
+                        f"{url} after {wait_s - (deadline - time.time()):.0f}s",
+                        touched=True,
+                    )
+            done = self.decoder.decode(sock.recv())
+        except (zmq.ZMQError, WireError) as e:
+            raise PushFailed(f"asking trainer rank 0 for v{version}: {e}", touched=True) from e
         finally:
             sock.close(linger=0)
-        if not done.ok:
-            raise RuntimeError(done.why)
+        if not done.ok or done.version != version or done.url != url:
+            raise PushFailed(done.why or f"answered {done!r:.200}", touched=done.touched)

@@ -1,4 +1,4 @@
-"""Weight publication from trainer rank 0 to the generators (DESIGN §5). Three transports,
+"""Weight publication from trainer rank 0 to the generators (DESIGN §5). Four transports,
 each an ``asyncrl.interfaces.WeightPublisher`` (``publish``, ``republish``, ``close``);
 ``weight_publisher`` picks one from the config, and the other ranks get a
 ``NoWeightPublisher`` (they only join the gathers):
@@ -17,6 +17,9 @@ each an ``asyncrl.interfaces.WeightPublisher`` (``publish``, ``republish``, ``cl
   NCCL group with every sglang server and broadcasts the tensors into their GPUs
   (``/init_weights_update_group``, ``/update_weights_from_distributed``): no disk round
   trip, the faster path for large models on GPUs. Not exercised by the CPU test suite.
+- ``VllmTransferPublisher`` (``asyncrl.trainer.publish_vllm``; vLLM servers with
+  ``weight_update="nccl"`` or ``"gloo"``): vLLM's weight transfer, each server's update
+  driven by its generator and the tensors sent by rank 0 when it asks.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import re
 import shutil
 import threading
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -305,14 +309,17 @@ class NcclWeightPublisher:
 
 def post_control(url: str, path: str, payload: dict, timeout_s: float) -> dict:
     """POST JSON to a server's control route; the answer, or RuntimeError when the server
-    reports failure (``urllib.error.HTTPError`` when it answers an error status)."""
+    reports failure or answers an error status (naming the route and what it said)."""
     request = urllib.request.Request(
         f"{url}{path}",
         data=json.dumps(payload).encode(),
         headers={"Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(request, timeout=timeout_s) as resp:
-        text = resp.read().decode()
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            text = resp.read().decode()
+    except urllib.error.HTTPError as e:  # say what the server said, not just its status
+        raise RuntimeError(f"{url}{path} answered {e.code}: {e.read()[:300]!r}") from e
     body = json.loads(text) if text.strip().startswith("{") else {}
     if body.get("success") is False:
         raise RuntimeError(f"{url}{path}: {body.get('message')}")

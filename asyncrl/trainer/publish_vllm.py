@@ -19,8 +19,12 @@ announces ``WeightsByTransfer`` on the weights PUB socket. A generator pauses on
 
 Servers are updated one at a time; the others keep generating. A failed transfer drops
 that server's group (a restarted server gets a new one; a cached group is retried once
-fresh), and the generator tries again with the next version. A request for a version
-older than the newest is refused: its generator already has the newer offer.
+fresh), says whether the server's weights were touched (its generator then keeps it
+paused until an update succeeds), and the generator tries again with the next version.
+An ask for another version than the newest, from another trainer's lineage, or past its
+deadline (its generator gave up) is refused. Nothing here waits unbounded without it
+being said: a transfer that has not ended after the generators' wait makes the next
+``publish`` raise, as does a dead serving thread.
 
 ``nccl`` is vLLM's own engine (``vllm.distributed.weight_transfer.nccl_engine``: rank 0
 joins with ``NCCLWeightTransferEngine.trainer_init`` and sends packed buffers with
@@ -37,7 +41,6 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from urllib.error import URLError
 
 import torch
 import torch.distributed as dist
@@ -53,6 +56,10 @@ from asyncrl.wire import TransferAsk, TransferDone, WeightsByTransfer, WireDecod
 
 log = logging.getLogger(__name__)
 
+TransferError = (OSError, RuntimeError, ValueError, TimeoutError)
+"""What a failed HTTP call, group or broadcast raises (anything else is a bug: logged with
+its traceback, answered all the same)."""
+
 
 class GlooSender:
     """Rank 0 of a torch gloo group with one server's workers: one broadcast per tensor."""
@@ -64,8 +71,8 @@ class GlooSender:
         name = f"weights_transfer_{port}"
         self.group = side_group(address, port, 0, world_size, name, "gloo", timeout_s)
 
-    def send(self, state: dict[str, torch.Tensor]) -> None:
-        for tensor in state.values():
+    def send(self, state: dict[str, torch.Tensor], deadline: float) -> None:
+        for tensor in state.values():  # each bounded by the group's timeout
             dist.broadcast(tensor.contiguous(), src=0, group=self.group)
 
     def close(self) -> None:
@@ -73,7 +80,8 @@ class GlooSender:
 
 
 class VllmNcclSender:
-    """Rank 0 of vLLM's NCCL weight-transfer group with one server's workers (GPU)."""
+    """Rank 0 of vLLM's NCCL weight-transfer group with one server's workers (GPU): joins
+    and sends with vLLM's own code, on the trainer's current CUDA device."""
 
     packed = True
 
@@ -81,13 +89,22 @@ class VllmNcclSender:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
         self.engine = NCCLWeightTransferEngine
+        self.device = torch.device("cuda", torch.cuda.current_device())
         info = {"master_address": address, "master_port": port, "world_size": world_size}
         self.group = NCCLWeightTransferEngine.trainer_init(info)
 
-    def send(self, state: dict[str, torch.Tensor]) -> None:
-        args = {"group": self.group, "packed": True}  # matches update_info's "packed"
+    def send(self, state: dict[str, torch.Tensor], deadline: float) -> None:
+        # The copies are on the CPU (the readout gathers there); vLLM's communicator
+        # broadcasts from its own device. "packed" matches update_info's.
+        to_device = lambda item: item[1].to(self.device, non_blocking=True)  # noqa: E731
+        args = {"group": self.group, "packed": True, "post_iter_func": to_device}
         self.engine.trainer_send_weights(iter(state.items()), args)
-        torch.cuda.synchronize()
+        done = torch.cuda.Event()
+        done.record()
+        while not done.query():  # NCCL has no timeout: a peer that never receives hangs it
+            if time.time() > deadline:
+                raise TimeoutError("the NCCL broadcast did not complete (its peer is gone?)")
+            time.sleep(0.01)
 
     def close(self) -> None:
         self.group = None  # vLLM's communicator has no explicit teardown
@@ -108,6 +125,7 @@ class VllmTransferPublisher:
                 "engine.remote.weight_update=disk"
             )
         self.sender_cls = SENDERS[remote.weight_update]
+        self.device = torch.cuda.current_device() if remote.weight_update == "nccl" else None
         self.run_id, self.timeout_s = cfg.run_id, remote.request_timeout_s
         self.bf16 = cfg.transport.weights.dtype == "bfloat16"
         self.host = advertised_host(cfg.transport.host)
@@ -118,6 +136,8 @@ class VllmTransferPublisher:
         self.decoder = WireDecoder(cfg.run_id, expected=TransferAsk)
         self.senders: dict[str, GlooSender | VllmNcclSender] = {}
         self.transfers = 0
+        self.touched = False  # the current transfer has reached the server's weights
+        self.busy: tuple[str, float] | None = None  # (server, since) of the current transfer
         self._lock = threading.Lock()  # guards _latest
         self._latest: tuple[int, dict[str, torch.Tensor]] | None = None
         self._stop = threading.Event()
@@ -125,11 +145,12 @@ class VllmTransferPublisher:
         self._thread.start()
 
     def publish(self, version: int, params: FullParameters) -> float:
+        self._check_serving()
         start = time.perf_counter()
-        # A copy: training goes on while servers ask for this version.
+        # Copies (a tensor may be the live parameter): training goes on while servers ask.
         cast = torch.bfloat16 if self.bf16 else None
         state = {
-            name: t.to(cast) if cast and t.is_floating_point() else t.clone()
+            name: t.to(cast, copy=True) if cast and t.is_floating_point() else t.clone()
             for name, t in params.tensors
         }
         with self._lock:
@@ -150,12 +171,28 @@ class VllmTransferPublisher:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=self.timeout_s)
+        if self._thread.is_alive():  # stuck in a transfer: leave its group and sockets be
+            log.warning("the transfer thread is still sending into %s at close", self.busy)
+            return
         for sender in self.senders.values():
             sender.close()
         close_context(self.ctx, linger=1000)
 
+    def _check_serving(self) -> None:
+        """Raise when the generators' asks can no longer be answered."""
+        if not self._thread.is_alive():
+            raise RuntimeError("the thread serving vLLM weight transfers has died (see the log)")
+        busy = self.busy
+        if busy is not None and time.monotonic() - busy[1] > 2 * self.timeout_s + 60:
+            raise RuntimeError(
+                f"sending weights into {busy[0]} has not ended after "
+                f"{time.monotonic() - busy[1]:.0f}s: its generator gave up long ago"
+            )
+
     # ---- the thread that serves the generators' asks ---------------------------------
     def _serve(self) -> None:
+        if self.device is not None:  # CUDA's current device is per thread
+            torch.cuda.set_device(self.device)
         while not self._stop.is_set():
             if not self.rep.poll(200):
                 continue
@@ -163,84 +200,119 @@ class VllmTransferPublisher:
             if ask is None:  # a REP socket must answer before it can receive again
                 self.rep.send(b"")
                 continue
-            done = self._answer(ask)
+            self.busy, self.touched = (ask.url, time.monotonic()), False
+            try:
+                done = self._answer(ask)
+            except Exception as e:  # a bug: the generator still gets its answer
+                log.exception("sending v%d into %s failed", ask.version, ask.url)
+                self._drop(ask.url)
+                why = f"sending into {ask.url} failed: {type(e).__name__}: {e}"
+                done = self._done(ask, ok=False, why=why)
+            self.busy = None
             self.rep.send(encode(done))
+
+    def _done(self, ask: TransferAsk, ok: bool, why: str = "") -> TransferDone:
+        return TransferDone(
+            run_id=self.run_id,
+            version=ask.version,
+            url=ask.url,
+            ok=ok,
+            why=why,
+            touched=self.touched and not ok,
+        )
 
     def _answer(self, ask: TransferAsk) -> TransferDone:
         with self._lock:
-            version, state = self._latest or (-1, {})
-        answer = {"run_id": self.run_id, "version": ask.version, "url": ask.url}
+            version, state = self._latest or (None, {})
+        if ask.lineage != self.lineage:
+            return self._done(ask, False, f"asked for another trainer's weights ({ask.lineage})")
         if ask.version != version:
-            why = f"v{ask.version} is not the newest weights here (v{version})"
-            return TransferDone(**answer, ok=False, why=why)
+            return self._done(ask, False, f"v{ask.version} is not the newest here (v{version})")
+        if time.time() > ask.deadline:
+            return self._done(ask, False, f"the ask for v{version} came after its deadline")
         start = time.perf_counter()
         try:
-            self._transfer(ask.url, version, state)
-        except (OSError, RuntimeError, ValueError, URLError) as e:
+            self._transfer(ask.url, version, state, ask.deadline)
+        except TransferError as e:
             log.warning("sending v%d into %s failed: %s", version, ask.url, e)
-            return TransferDone(**answer, ok=False, why=f"sending into {ask.url} failed: {e}")
+            return self._done(ask, False, f"sending into {ask.url} failed: {e}")
         self.transfers += 1
         log.info("v%d sent into %s in %.2fs", version, ask.url, time.perf_counter() - start)
-        return TransferDone(**answer, ok=True)
+        return self._done(ask, True)
 
-    def _transfer(self, url: str, version: int, state: dict[str, torch.Tensor]) -> None:
+    def _transfer(self, url: str, version: int, state: dict, deadline: float) -> None:
         """Send ``state`` into the server at ``url``; a group kept from before that fails
         (the server restarted) is dropped and the transfer tried once with a new one."""
         cached = url in self.senders
         try:
-            self._send(self._sender(url), url, version, state)
-        except (OSError, RuntimeError, ValueError, URLError):
+            self._send(self._sender(url, deadline), url, version, state, deadline)
+        except TransferError:
             self._drop(url)
             if not cached:
                 raise
-            self._send(self._sender(url), url, version, state)
+            self._send(self._sender(url, deadline), url, version, state, deadline)
 
-    def _sender(self, url: str) -> GlooSender | VllmNcclSender:
+    def _sender(self, url: str, deadline: float) -> GlooSender | VllmNcclSender:
         if url in self.senders:
             return self.senders[url]
-        workers = int(get_control(url, "/get_world_size", self.timeout_s)["world_size"])
+        workers = int(get_control(url, "/get_world_size", self._left(deadline))["world_size"])
         port, world = free_port(), 1 + workers
         info = {"master_address": self.host, "master_port": port, "rank_offset": 1}
-        info["world_size"] = world
         with ThreadPoolExecutor(1) as pool:
             # The server's call returns once its workers have joined: rank 0 joins meanwhile.
             call = pool.submit(
                 post_control,
                 url,
                 "/init_weight_transfer_engine",
-                {"init_info": info},
-                self.timeout_s,
+                {"init_info": {**info, "world_size": world}},
+                self._left(deadline),
             )
+            sender = None
             try:
-                sender = self.sender_cls(self.host, port, world, self.timeout_s)
-            finally:
+                sender = self.sender_cls(self.host, port, world, self._left(deadline))
                 call.result()
+            except BaseException:
+                if sender is not None:
+                    sender.close()
+                call.cancel()
+                raise
         self.senders[url] = sender
         return sender
 
-    def _send(self, sender, url: str, version: int, state: dict[str, torch.Tensor]) -> None:
+    def _send(self, sender, url: str, version: int, state: dict, deadline: float) -> None:
         info = {
             "names": list(state),
             "dtype_names": [str(t.dtype).removeprefix("torch.") for t in state.values()],
             "shapes": [list(t.shape) for t in state.values()],
             "packed": sender.packed,
         }
-        post_control(url, "/start_weight_update", {"is_checkpoint_format": True}, self.timeout_s)
+        # vLLM's example sends is_checkpoint_format (HF names); 0.33's route reads no body.
+        start = {"is_checkpoint_format": True}
+        post_control(url, "/start_weight_update", start, self._left(deadline))
+        self.touched = True  # from here the server may hold part of the new weights
         with ThreadPoolExecutor(1) as pool:
             # The server receives in the order of ``names`` while rank 0 sends.
             call = pool.submit(
-                post_control, url, "/update_weights", {"update_info": info}, self.timeout_s
+                post_control, url, "/update_weights", {"update_info": info}, self._left(deadline)
             )
             try:
-                sender.send(state)
+                sender.send(state, deadline)
             finally:
                 call.result()
-        post_control(url, "/finish_weight_update", {"weight_version": str(version)}, self.timeout_s)
+        finish = {"weight_version": str(version)}
+        post_control(url, "/finish_weight_update", finish, self._left(deadline))
+
+    def _left(self, deadline: float) -> float:
+        """Seconds for the next call: the timeout, or what is left before the deadline."""
+        left = deadline - time.time()
+        if left <= 0:
+            raise TimeoutError("the generator's deadline passed during the transfer")
+        return min(self.timeout_s, left)
 
     def _drop(self, url: str) -> None:
         sender = self.senders.pop(url, None)
         if sender is not None:
             try:
                 sender.close()
-            except (RuntimeError, ValueError) as e:
+            except TransferError as e:
                 log.warning("closing the group with %s: %s", url, e)
