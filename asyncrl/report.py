@@ -14,6 +14,8 @@ Reads what the processes leave in RUN_DIR: ``metrics.jsonl`` (trainer steps with
     trainer_idle_fraction                Σ train/wait_for_batch_s / train time
     step_ms_p99_update, _steady          decode-step p99 while weights were updating vs steady
                                          (the worst generator's whole-life figure)
+    update_step_ratio_p50, _p99          each decode step during an update over the mean steady
+                                         step of its batch size (worst generator; null: none)
     staleness_histogram                  consumed samples by staleness, {"0": n, "1": n, ...}
     accuracy_at_min                      {"2": acc}: the first eval at or after each minute
                                          of the trainer's clock (null: none yet)
@@ -123,6 +125,8 @@ def generator_figures(records: list[dict], run_dir: Path) -> dict[str, dict[str,
             "step_ms_p99_update": summary.get("update_step_ms_p99"),
             "step_ms_p99_steady": summary.get("steady_step_ms_p99"),
             "update_steps": summary.get("update_steps"),
+            "update_step_ratio_p50": summary.get("update_step_ratio_p50"),
+            "update_step_ratio_p99": summary.get("update_step_ratio_p99"),
             "steps": summary.get("steps"),
             "weight_flip_s_mean": summary.get("weight_flip_s"),
         }
@@ -267,6 +271,8 @@ def report(run_dir: str | Path, minutes: list[float]) -> dict[str, Any]:
         ),
         "step_ms_p99_update": worst("step_ms_p99_update"),
         "step_ms_p99_steady": worst("step_ms_p99_steady"),
+        "update_step_ratio_p50": worst("update_step_ratio_p50"),
+        "update_step_ratio_p99": worst("update_step_ratio_p99"),
         "staleness_histogram": dict(sorted(staleness.items(), key=lambda kv: int(kv[0]))),
         "accuracy_at_min": accuracy_at(
             [(r["time"], r["eval/accuracy"]) for r in trainer if "eval/accuracy" in r], minutes

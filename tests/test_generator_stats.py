@@ -57,6 +57,21 @@ def test_window_idle_fraction_and_update_split():
     assert summary["weights_received"] == 1 and "update_step_ms_p99" in summary
 
 
+def test_update_steps_are_compared_with_steady_steps_of_their_batch_size():
+    """Updates fall on full batches: a step of 64 sequences at 2x the steady 64-sequence
+    step is a ratio of 2, however fast the steady 4-sequence steps are."""
+    stats = GeneratorStats()
+    for _ in range(10):
+        stats.on_step(0.002, tokens=4, during_update=False)
+        stats.on_step(0.010, tokens=64, during_update=False)
+    stats.on_step(0.020, tokens=64, during_update=True)
+    stats.on_step(0.002, tokens=4, during_update=True)
+    stats.on_step(0.050, tokens=7, during_update=True)  # no steady step of 7: left out
+    summary = stats.summary(version=0)
+    assert summary["update_step_ratio_p50"] == pytest.approx(1.5)
+    assert summary["update_step_ratio_p99"] == pytest.approx(1.99)
+
+
 def test_superseded_update_is_not_timed_as_a_flip():
     stats = GeneratorStats()
     for version in (1, 2):  # v2 arrives before v1 was staged: the engine skips v1

@@ -1,19 +1,18 @@
 """The embedded engine: asyncrl's own torch inference engine (DESIGN §8).
 
 Continuous batching over a preallocated slot KV cache: requests wait in a queue, join
-the running batch between steps (newly admitted prompts are prefilled together) and
-leave it when they finish or are aborted, returning their slot. Running sequences always
-occupy slots ``0 … n-1``: when one leaves, the last one's cache moves into the hole, so
-attention reads the cache through views and never gathers it. Each step gives every
-running request one token with its behavior logprob and the version of the weights that
-produced it; a request ends at EOS, a stop token or string (``asyncrl.engine.stops``), or
-its length.
+the running batch between steps (new prompts are prefilled together) and leave it when
+they finish or are aborted, returning their slot. Running sequences always occupy slots
+``0 … n-1``: when one leaves, the last one's cache moves into the hole, so attention
+reads the cache through views and never gathers it. Each step gives every running
+request one token with its behavior logprob and weights version; a request ends at EOS,
+a stop token or string (``asyncrl.engine.stops``), or its length.
 
 It implements the ``Engine`` protocol (``asyncrl.interfaces``), configured by
 ``EmbeddedEngineConfig`` (``engine.embedded.*`` in an experiment). Weights are
 double-buffered (DESIGN §5): ``stage_weights`` hands a state dict (or one read from a
-directory) to a background thread that puts it into the idle copy of the model while
-decoding goes on with the active one; the next ``step`` swaps the two by reference, so a
+directory) to a background thread (at a lower priority) that puts it into the idle copy
+of the model while decoding goes on with the active one; the next ``step`` swaps the two by reference, so a
 flip costs no copy on the decode path. In-flight sequences then follow ``flip_policy``:
 ``keep`` (the default) continues on the old cache, ``recompute`` re-prefills their tokens
 under the new weights (AReaL's interruptible generation).
@@ -21,8 +20,7 @@ under the new weights (AReaL's interruptible generation).
 An engine that shares its process with a trainer (the colocated placement, evaluation
 on rank 0) gives its memory back while the trainer works: ``release_memory`` frees the
 KV cache and both copies of the weights, ``load_weights`` then ``resume_memory`` take
-them back (the hybrid-engine pattern). ``released=True`` starts an engine that way,
-without reading the weights from disk.
+them back (the hybrid-engine pattern); ``released=True`` starts an engine that way.
 """
 
 from __future__ import annotations
@@ -35,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from asyncrl.background import yield_cpu
 from asyncrl.engine.base import EngineStatus, Finished, GeneratedToken, Request, StepOutput, Weights
 from asyncrl.engine.config import EmbeddedEngineConfig
 from asyncrl.engine.decoder import CachedDecoder, KVCache
@@ -354,6 +353,7 @@ class EmbeddedEngine:
                 self.counters.reasons[reason] = self.counters.reasons.get(reason, 0) + 1
 
     def _stage_loop(self) -> None:
+        yield_cpu()  # staging must not slow the decode steps beside it
         while True:
             with self._cond:
                 # Wait for an offer, and for the previous staged version to be flipped in

@@ -85,6 +85,11 @@ class _ByBatch:
             row[3] += prefill_tokens
             self.prefill_known = True
 
+    def mean_s(self, sequences: int) -> float | None:
+        """The mean steady step of ``sequences``' bucket; None before any."""
+        row = self.buckets.get(batch_bucket(sequences))
+        return row[1] / row[0] if row else None
+
     def table(self) -> dict[str, dict[str, float]]:
         out = {}
         for bucket, (steps, seconds, sequences, prefill) in sorted(self.buckets.items()):
@@ -184,6 +189,7 @@ class GeneratorStats:
         self._clock = clock  # seconds; tests drive their own
         self._window, self._total = _Totals(), _Totals()
         self._by_batch = _ByBatch()  # whole run only
+        self._update_batches: list[tuple[int, float]] = []  # (sequences, seconds) of each
         self.weights_received = 0
         self._lock = threading.Lock()  # guards what the weights thread writes
         self._receiving = False  # frames in hand, not yet offered to the engine
@@ -250,6 +256,8 @@ class GeneratorStats:
             t.tokens += tokens
         if not during_update:
             self._by_batch.add(seconds, tokens, prefill_tokens)
+        else:
+            self._update_batches.append((tokens, seconds))
 
     def on_output(self, out: StepOutput, before: EngineStatus) -> None:
         """What the engine step just counted by ``on_step`` returned, and the engine's
@@ -293,4 +301,19 @@ class GeneratorStats:
         out["loop_s"] = out.pop("window_s")
         out.update(weights_received=float(self.weights_received), version=float(version))
         out["steady_step_by_batch"] = self._by_batch.table()
+        out.update(self._update_ratios())
         return out
+
+    def _update_ratios(self) -> dict[str, float]:
+        """Each step during an update against the mean steady step of its batch size: what
+        an update costs a decode step, apart from which batch sizes updates fall on (they
+        come with new leases, so full batches)."""
+        ratios = [
+            seconds / mean
+            for sequences, seconds in self._update_batches
+            if (mean := self._by_batch.mean_s(sequences))
+        ]
+        if not ratios:
+            return {}
+        p50, p99 = np.percentile(ratios, [50, 99])
+        return {"update_step_ratio_p50": float(p50), "update_step_ratio_p99": float(p99)}

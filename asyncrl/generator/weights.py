@@ -27,6 +27,7 @@ import time
 
 import zmq
 
+from asyncrl.background import yield_cpu
 from asyncrl.engine.base import PushFailed
 from asyncrl.generator.stats import GeneratorStats
 from asyncrl.interfaces import Engine
@@ -79,6 +80,9 @@ class WeightsIntake:
         self.thread.join(timeout=timeout)
 
     def _run(self) -> None:
+        # Rebuilding versions must not slow the decode loop. (The worker made its sockets
+        # first, so the context's I/O threads do not inherit this priority.)
+        yield_cpu()
         endpoint = None
         while not self.stop.is_set():
             endpoints = read_endpoints(self.cfg.run_dir, "trainer", timeout_s=1.0)
