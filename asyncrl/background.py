@@ -32,6 +32,7 @@ def yield_cpu(niceness: int = BACKGROUND_NICENESS) -> None:
     if not sys.platform.startswith("linux"):
         return
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(niceness, os.getpriority(os.PRIO_PROCESS, tid)))
     except (AttributeError, OSError) as e:  # not Linux, or refused: run as before
         log.debug("could not lower this thread's priority: %s", e)
