@@ -36,15 +36,20 @@ def test_yield_cpu_lowers_only_the_calling_thread():
     assert niceness(threading.get_native_id()) == mine
 
 
-def test_the_engines_staging_thread_runs_at_the_lower_priority(tiny_model_dir):
+@pytest.mark.parametrize("yield_staging", [True, False])
+def test_a_generators_engine_stages_at_the_lower_priority(tiny_model_dir, yield_staging):
+    """A generator's engine stages while it decodes; one whose caller waits for the
+    staging (the colocated trainer, evaluation, the HTTP front) keeps the caller's."""
     mine = niceness(threading.get_native_id())
-    engine = EmbeddedEngine(tiny_model_dir, EmbeddedEngineConfig(max_slots=2, threads=1))
+    cfg = EmbeddedEngineConfig(max_slots=2, threads=1)
+    engine = EmbeddedEngine(tiny_model_dir, cfg, yield_staging=yield_staging)
     try:
-        stager = next(t for t in threading.enumerate() if t.name == "weight-stager")
-        deadline = time.time() + 10  # it lowers its priority as it starts
+        stager = engine._stager
+        deadline = time.time() + (5 if yield_staging else 1)  # it lowers it as it starts
         while niceness(stager.native_id) == mine and time.time() < deadline:
             time.sleep(0.01)
-        assert niceness(stager.native_id) == max(mine, BACKGROUND_NICENESS)
+        want = max(mine, BACKGROUND_NICENESS) if yield_staging else mine
+        assert niceness(stager.native_id) == want
         assert niceness(threading.get_native_id()) == mine
     finally:
         engine.close()

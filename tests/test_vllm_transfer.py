@@ -98,35 +98,44 @@ def test_the_trainer_sends_versions_into_a_vllm_api_server(tiny_model_dir, tmp_p
 
 def test_a_server_torn_by_a_failed_transfer_waits_paused_for_the_next(tiny_model_dir, tmp_path):
     """A push that fails once it may have touched the server's weights leaves it paused
-    and out of rotation (requests wait, none runs on mixed weights under the old label);
-    the next successful transfer resumes it, and the waiting request runs on that version."""
+    and out of rotation (requests wait, none runs on mixed weights under the old label,
+    no lease is taken for it); the next successful transfer resumes it, even of an older
+    version (a trainer restarted from a checkpoint), and the waiting request runs on it."""
     with launched_front(tiny_model_dir, tmp_path) as url:
         remote = RemoteEngineConfig(
             urls=[url], server="vllm", weight_update="gloo", threads=1, request_timeout_s=60
         )
         cfg = transfer_config(tmp_path / "run", remote)
         with sending(cfg, tiny_model_dir) as (publisher, engine, push):
+            check_a_version(publisher, engine, push, 2, tmp_path, tiny_model_dir, 1e-5)
 
             def torn(url: str, version: int) -> None:
                 raise PushFailed("the broadcast broke half-way", touched=True)
 
-            engine.stage_weights(torn, 1)
-            deadline = time.time() + 30
-            while not engine.servers[0].torn:
-                assert time.time() < deadline, "the failed push was never tried"
-                time.sleep(0.05)
+            engine.stage_weights(torn, 3)
+            wait_until(lambda: engine.servers[0].torn, "the failed push was never tried")
             assert call(url, "/is_paused") == (200, {"is_paused": True})
+            assert engine.status().free_slots == 0
             engine.submit(Request("a", [3, 4, 5], GREEDY))
             time.sleep(1.0)
             out = engine.step()
             assert not out.tokens and engine.status().running == 0  # it waits, unsent
-            state = load_model(ModelConfig(path=tiny_model_dir)).state_dict()
-            publisher.publish(2, FullParameters.of(state))
-            engine.stage_weights(push, 2, wait=True)
+            older = perturbed_weights(tiny_model_dir, tmp_path / "v1")
+            state = load_model(ModelConfig(path=str(older))).state_dict()
+            publisher.publish(1, FullParameters.of(state))
+            engine.stage_weights(push, 1)
+            wait_until(lambda: not engine.servers[0].torn, "the torn server was not retried")
             assert call(url, "/is_paused") == (200, {"is_paused": False})
             tokens, _ = drain(engine, ["a"])
-            assert tokens["a"] and {t.version for t in tokens["a"]} == {2}
-            assert not engine.servers[0].torn
+            assert tokens["a"] and {t.version for t in tokens["a"]} == {1}
+            assert engine.servers[0].version == 1
+
+
+def wait_until(condition, message: str, timeout_s: float = 30.0) -> None:
+    deadline = time.time() + timeout_s
+    while not condition():
+        assert time.time() < deadline, message
+        time.sleep(0.05)
 
 
 def ask_raw(publisher, url: str, version: int, lineage: str, deadline: float) -> TransferDone:

@@ -1,26 +1,25 @@
 """The embedded engine: asyncrl's own torch inference engine (DESIGN §8).
 
 Continuous batching over a preallocated slot KV cache: requests wait in a queue, join
-the running batch between steps (new prompts are prefilled together) and leave it when
-they finish or are aborted, returning their slot. Running sequences always occupy slots
-``0 … n-1``: when one leaves, the last one's cache moves into the hole, so attention
-reads the cache through views and never gathers it. Each step gives every running
-request one token with its behavior logprob and weights version; a request ends at EOS,
-a stop token or string (``asyncrl.engine.stops``), or its length.
+the running batch between steps (new prompts prefilled together) and leave it when they
+finish or are aborted. Running sequences occupy slots ``0 … n-1``: when one leaves, the
+last one's cache moves into the hole, so attention reads the cache through views. Each
+step gives every running request one token with its behavior logprob and weights
+version; one ends at EOS, a stop token or string (``asyncrl.engine.stops``), or length.
 
 It implements the ``Engine`` protocol (``asyncrl.interfaces``), configured by
-``EmbeddedEngineConfig`` (``engine.embedded.*`` in an experiment). Weights are
-double-buffered (DESIGN §5): ``stage_weights`` hands a state dict (or one read from a
-directory) to a background thread (at a lower priority) that puts it into the idle copy
-of the model while decoding goes on with the active one; the next ``step`` swaps the two by reference, so a
-flip costs no copy on the decode path. In-flight sequences then follow ``flip_policy``:
+``EmbeddedEngineConfig`` (``engine.embedded.*``). Weights are double-buffered (DESIGN
+§5): ``stage_weights`` hands a state dict (or one read from a directory) to a background
+thread (a lower priority with ``yield_staging``) that puts it into the idle copy of the
+model while decoding goes on; the next ``step`` swaps the two by reference, so a flip
+costs no copy on the decode path. In-flight sequences then follow ``flip_policy``:
 ``keep`` (the default) continues on the old cache, ``recompute`` re-prefills their tokens
 under the new weights (AReaL's interruptible generation).
 
-An engine that shares its process with a trainer (the colocated placement, evaluation
-on rank 0) gives its memory back while the trainer works: ``release_memory`` frees the
-KV cache and both copies of the weights, ``load_weights`` then ``resume_memory`` take
-them back (the hybrid-engine pattern); ``released=True`` starts an engine that way.
+An engine sharing its process with a trainer (colocated, evaluation on rank 0) gives its
+memory back while the trainer works: ``release_memory`` frees the KV cache and both
+weight copies, ``load_weights`` then ``resume_memory`` take them back (the hybrid-engine
+pattern); ``released=True`` starts an engine that way.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from asyncrl.background import yield_cpu
+from asyncrl.background import BACKGROUND_NICENESS, yield_cpu
 from asyncrl.engine.base import EngineStatus, Finished, GeneratedToken, Request, StepOutput, Weights
 from asyncrl.engine.config import EmbeddedEngineConfig
 from asyncrl.engine.decoder import CachedDecoder, KVCache
@@ -74,6 +73,7 @@ class EmbeddedEngine:
         version: int = 0,
         *,
         released: bool = False,
+        yield_staging: bool = False,
     ) -> None:
         self.cfg = cfg = cfg or EmbeddedEngineConfig()
         if cfg.threads > 0:
@@ -83,11 +83,7 @@ class EmbeddedEngine:
         model_cfg = ModelConfig(path=model_path, dtype=cfg.dtype)
         # Two copies: the active one decodes, the idle one receives updates (empty: released).
         for copy in ("_active", "_idle"):
-            model = (
-                weightless_model(model_cfg, self.device)
-                if released
-                else load_model(model_cfg, self.device).eval()
-            )
+            model = (weightless_model if released else load_model)(model_cfg, self.device).eval()
             setattr(self, copy, CachedDecoder(model))
         self.shapes = {name: p.shape for name, p in empty_model(model_cfg).named_parameters()}
         """Each weight's shape, by name (a tied weight under its first name)."""
@@ -108,9 +104,10 @@ class EmbeddedEngine:
         self.waiting: deque[Request] = deque()
         self._aborted: list[Finished] = []
         self.counters = _Counters()
-        # Staging: the newest offered weights wait in _incoming; the thread copies them
-        # into the idle buffer and sets _ready; step() flips and clears it.
+        # Offers wait in _incoming; the thread stages them and sets _ready; step() flips.
         self._cond = threading.Condition()
+        # A lower priority only for callers that decode meanwhile: nobody waits for it.
+        self._niceness = BACKGROUND_NICENESS if yield_staging else 0
         self._incoming: tuple[Mapping[str, torch.Tensor], int] | None = None
         self._ready: int | None = None
         self._staging = False  # the thread holds an offer it has not yet made ready
@@ -353,7 +350,7 @@ class EmbeddedEngine:
                 self.counters.reasons[reason] = self.counters.reasons.get(reason, 0) + 1
 
     def _stage_loop(self) -> None:
-        yield_cpu()  # staging must not slow the decode steps beside it
+        yield_cpu(self._niceness)
         while True:
             with self._cond:
                 # Wait for an offer, and for the previous staged version to be flipped in

@@ -222,7 +222,7 @@ class RemoteEngine:
         c, updates = self.counters, self.updates
         with self._lock:
             running, waiting = len(self._running), len(self._queued)
-        free = len(self.servers) * self.cfg.max_inflight - running
+        free = sum(not s.torn for s in self.servers) * self.cfg.max_inflight - running
         version, staged = updates.version, updates.staged_version
         metrics = {
             "engine/running": running,

@@ -109,8 +109,9 @@ class ServerUpdates:
         as ``version``; returns at once. An offer not newer than the engine's version or
         the newest offered is ignored."""
         with self._changed:
-            if version <= max(self.version, self._target[1] if self._target else -1):
-                return
+            newest = max(self.version, self._target[1] if self._target else -1)
+            if version <= newest and not any(s.torn for s in self.servers):
+                return  # (a torn server takes any version: a restarted trainer's is older)
             self._target = (path, version)
             self.staged_version = version
         self._loop.call_soon_threadsafe(self._start)
@@ -161,7 +162,8 @@ class ServerUpdates:
         """Bring every server to the newest offered version, one server at a time."""
         while True:
             target = self._target
-            if target is None or target[1] <= self.version:
+            torn = any(s.torn for s in self.servers)
+            if target is None or (target[1] <= self.version and not torn):
                 if self._settle(target):
                     return
                 continue
@@ -170,10 +172,10 @@ class ServerUpdates:
             for state in self.servers:
                 if self._target != target:  # a newer version came: no server waits for this one
                     break
-                if state.version < version:
+                if state.version < version or state.torn:
                     await self._update_one(state, path, version)
             self.last_update_s = time.perf_counter() - start
-            if min(s.version for s in self.servers) < version:
+            if min(s.version for s in self.servers) < version or any(s.torn for s in self.servers):
                 self.failed += 1
                 if self._settle(target):  # so the trainer's next announcement retries it
                     return
@@ -184,12 +186,14 @@ class ServerUpdates:
                 self._changed.notify_all()
 
     async def _update_one(self, state: ServerState, path: str | WeightsPush, version: int) -> None:
-        state.updating = True
+        state.updating, torn = True, state.torn
         try:
-            if await self._load(state, path, version):
-                state.version = max(state.version, version)
+            if await self._load(state, path, version):  # a torn one may go back in version
+                state.version = version if torn else max(state.version, version)
             else:
                 log.warning("%s did not load weights v%d from %s", state.server.url, version, path)
+        except Exception:  # a failed update, not the end of updates
+            log.exception("updating %s to weights v%d failed", state.server.url, version)
         finally:
             state.updating = False
             self._on_server_free()

@@ -227,6 +227,9 @@ class VllmServerApi:
             left = "left paused until an update succeeds" if state.torn else "resumed"
             log.warning("weights v%d not sent into %s (%s): %s", version, state.server.url, left, e)
             return False
+        except BaseException:  # cancelled (the engine closing) while the trainer may send
+            state.torn = True
+            raise
         state.torn = False
         return True
 

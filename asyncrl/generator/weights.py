@@ -42,7 +42,6 @@ from asyncrl.wire import (
     WeightsByTransfer,
     WeightsOnDisk,
     WireDecoder,
-    WireError,
     encode,
 )
 
@@ -225,7 +224,7 @@ class TrainerPush:
     def __call__(self, url: str, version: int) -> None:
         # The trainer serves one server at a time: others' transfers may come first.
         wait_s = 2 * self.cfg.engine.remote.request_timeout_s
-        deadline = time.time() + wait_s
+        deadline, sent = time.time() + wait_s, False
         ask = TransferAsk(
             run_id=self.cfg.run_id,
             worker_id=self.worker_id,
@@ -234,22 +233,34 @@ class TrainerPush:
             lineage=self.lineage,
             deadline=deadline,
         )
-        sock = client_socket(self.ctx, zmq.REQ, self.cfg.transport, self.cfg.run_dir)
         try:
-            sock.connect(self.endpoint)
-            sock.send(encode(ask))
-            while not sock.poll(500):  # in slices: a stopping generator does not wait
-                if self.stop.is_set() or time.time() > deadline:
-                    why = "the generator is stopping" if self.stop.is_set() else "no answer"
-                    raise PushFailed(
-                        f"{why} from trainer rank 0 ({self.endpoint}) for v{version} into "
-                        f"{url} after {wait_s - (deadline - time.time()):.0f}s",
-                        touched=True,
-                    )
-            done = self.decoder.decode(sock.recv())
-        except (zmq.ZMQError, WireError) as e:
-            raise PushFailed(f"asking trainer rank 0 for v{version}: {e}", touched=True) from e
-        finally:
-            sock.close(linger=0)
+            sock = client_socket(self.ctx, zmq.REQ, self.cfg.transport, self.cfg.run_dir)
+            try:
+                sock.connect(self.endpoint)
+                sock.send(encode(ask))
+                sent = True
+                reply = self._reply(sock, deadline)
+            finally:
+                sock.close(linger=0)
+            if not reply:  # the trainer could not read the ask: it started nothing
+                raise PushFailed(f"trainer rank 0 could not read the ask for v{version}", False)
+            done = self.decoder.decode(reply)
+        except PushFailed:
+            raise
+        except Exception as e:  # once sent, the trainer may be sending: count it touched
+            why = f"asking trainer rank 0 ({self.endpoint}) for v{version} into {url}: {e!r}"
+            raise PushFailed(why, touched=sent) from e
         if not done.ok or done.version != version or done.url != url:
             raise PushFailed(done.why or f"answered {done!r:.200}", touched=done.touched)
+
+    def _reply(self, sock: zmq.Socket, deadline: float) -> bytes:
+        """The trainer's answer; polled in slices so a stopping generator does not wait."""
+        start = time.time()
+        while not sock.poll(500):
+            if self.stop.is_set() or time.time() > deadline:
+                why = "the generator is stopping" if self.stop.is_set() else "no answer"
+                raise PushFailed(
+                    f"{why} from trainer rank 0 ({self.endpoint}) after {time.time() - start:.0f}s",
+                    touched=True,
+                )
+        return sock.recv()

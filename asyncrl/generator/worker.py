@@ -313,7 +313,8 @@ def make_engine(cfg: RolloutConfig, model_path: str, worker_id: str) -> Engine:
         except ConfigError as e:
             log.warning("%s", e)
     if cfg.engine.backend != "remote":
-        return EmbeddedEngine(model_path, cfg.engine.embedded)
+        # Staged while decoding goes on: it must not slow the decode steps beside it.
+        return EmbeddedEngine(model_path, cfg.engine.embedded, yield_staging=True)
     engine = RemoteEngine(
         model_path,
         cfg.engine.remote,

@@ -72,7 +72,9 @@ class GlooSender:
         self.group = side_group(address, port, 0, world_size, name, "gloo", timeout_s)
 
     def send(self, state: dict[str, torch.Tensor], deadline: float) -> None:
-        for tensor in state.values():  # each bounded by the group's timeout
+        for name, tensor in state.items():  # each bounded by the group's timeout
+            if time.time() > deadline:
+                raise TimeoutError(f"the generator's deadline passed before {name}")
             dist.broadcast(tensor.contiguous(), src=0, group=self.group)
 
     def close(self) -> None:
@@ -98,13 +100,26 @@ class VllmNcclSender:
         # broadcasts from its own device. "packed" matches update_info's.
         to_device = lambda item: item[1].to(self.device, non_blocking=True)  # noqa: E731
         args = {"group": self.group, "packed": True, "post_iter_func": to_device}
-        self.engine.trainer_send_weights(iter(state.items()), args)
-        done = torch.cuda.Event()
-        done.record()
-        while not done.query():  # NCCL has no timeout: a peer that never receives hangs it
-            if time.time() > deadline:
-                raise TimeoutError("the NCCL broadcast did not complete (its peer is gone?)")
-            time.sleep(0.01)
+        failed: list[BaseException] = []
+
+        def send() -> None:
+            torch.cuda.set_device(self.device)
+            try:
+                self.engine.trainer_send_weights(iter(state.items()), args)
+                torch.cuda.synchronize(self.device)
+            except BaseException as e:
+                failed.append(e)
+
+        # NCCL has no timeout, and vLLM's sender waits on its streams inside: a peer that
+        # never receives hangs it, so it runs on a thread of its own, left behind at the
+        # deadline (the group is dropped, and publish raises once it has hung too long).
+        thread = threading.Thread(target=send, name="nccl-send", daemon=True)
+        thread.start()
+        thread.join(max(0.0, deadline - time.time()))
+        if thread.is_alive():
+            raise TimeoutError("the NCCL broadcast did not complete by the deadline")
+        if failed:
+            raise RuntimeError(f"the NCCL broadcast failed: {failed[0]}") from failed[0]
 
     def close(self) -> None:
         self.group = None  # vLLM's communicator has no explicit teardown
@@ -145,7 +160,6 @@ class VllmTransferPublisher:
         self._thread.start()
 
     def publish(self, version: int, params: FullParameters) -> float:
-        self._check_serving()
         start = time.perf_counter()
         # Copies (a tensor may be the live parameter): training goes on while servers ask.
         cast = torch.bfloat16 if self.bf16 else None
@@ -159,7 +173,9 @@ class VllmTransferPublisher:
         return time.perf_counter() - start
 
     def republish(self) -> None:
-        """Announce the newest version again (for generators that joined since)."""
+        """Announce the newest version again (for generators that joined since); raise
+        when asks can no longer be answered (the trainer calls this while it waits)."""
+        self._check_serving()
         with self._lock:
             version = self._latest[0] if self._latest else None
         if version is not None:
@@ -269,7 +285,8 @@ class VllmTransferPublisher:
             )
             sender = None
             try:
-                sender = self.sender_cls(self.host, port, world, self._left(deadline))
+                # The group outlives this ask: its timeout is the setting, not what is left.
+                sender = self.sender_cls(self.host, port, world, self.timeout_s)
                 call.result()
             except BaseException:
                 if sender is not None:
