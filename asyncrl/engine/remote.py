@@ -38,10 +38,10 @@ the embedded engine. What differs between servers is one ``ServerApi`` object
   by its own behavior logprob, whichever policy produced it.
 
 Differences from the embedded engine: a request's seed goes to the server keyed by where
-each attempt starts (sglang applies it in its deterministic mode only), and
-``max_new_tokens`` is capped so that prompt + completion fit ``max_seq_len``. Stop strings
-go with every attempt, and a server looks for them in what that attempt generates: one
-split by an interruption ends nothing (the reward's text is still cut at it).
+each attempt starts (sglang applies it in deterministic mode only); ``max_new_tokens`` is
+capped so prompt + completion fit ``max_seq_len``. Stop strings go with every attempt,
+and a server looks for them in what that attempt generates: one split by an interruption
+ends nothing (the reward's text is still cut at it).
 """
 
 from __future__ import annotations
@@ -60,17 +60,10 @@ import aiohttp
 import torch
 
 from asyncrl.engine import sglang_api
-from asyncrl.engine.base import (
-    EngineStatus,
-    Finished,
-    GeneratedToken,
-    Request,
-    StepOutput,
-    Weights,
-    WeightsPush,
-)
+from asyncrl.engine.base import EngineStatus, Finished, GeneratedToken, Request, StepOutput, Weights
 from asyncrl.engine.remote_weights import ServerState, ServerUpdates
-from asyncrl.engine.server_api import Attempt, NewTokens, server_api
+from asyncrl.engine.server_api import Attempt, NewTokens
+from asyncrl.engine.server_apis import server_api
 from asyncrl.engine.servers import (
     RemoteEngineConfig,
     log_tail,
@@ -363,7 +356,7 @@ class RemoteEngine:
             self.counters.tokens += len(new)
             self._arrived.notify_all()
 
-    async def _load(self, server: ServerState, path: str | WeightsPush, version: int) -> bool:
+    async def _load(self, server: ServerState, path: Weights, version: int) -> bool:
         """``ServerUpdates``' update of one server (no new attempt is sent to it meanwhile)."""
         return await self.api.load_weights(self._session, server, path, version, self._drain)
 

@@ -167,13 +167,3 @@ class SglangServerApi:
             return body is not None and body.get("success", True)
         finally:
             await post_json(session, url, "/continue_generation", {})
-
-
-def server_api(server: str, eos_ids: set[int]) -> ServerApi:
-    """The ``ServerApi`` of ``engine.remote.server``: vLLM's for ``vllm``, sglang's for
-    ``sglang`` and ``embedded`` (the front's default API)."""
-    if server == "vllm":
-        from asyncrl.engine.vllm_client import VllmServerApi  # it builds on this module
-
-        return VllmServerApi(eos_ids)
-    return SglangServerApi(eos_ids)

@@ -25,29 +25,24 @@ each an ``asyncrl.interfaces.WeightPublisher`` (``publish``, ``republish``, ``cl
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import re
 import shutil
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-import zmq
 
 from asyncrl.engine.servers import free_port, write_weights_dir
 from asyncrl.interfaces import FullParameters, WeightPublisher
+from asyncrl.trainer.publish_vllm import VllmTransferPublisher
+from asyncrl.trainer.server_calls import post_control, pub_socket
 from asyncrl.transport import (
     advertised_host,
-    bind,
     close_context,
     read_endpoints,
-    server_socket,
-    write_endpoints,
 )
 from asyncrl.weights.groups import side_group
 from asyncrl.weights.sender import BucketPublisher, new_lineage
@@ -64,21 +59,10 @@ def weight_publisher(cfg) -> WeightPublisher:
     if cfg.engine.backend == "embedded":
         return BucketPublisher(cfg)
     if cfg.engine.remote.server == "vllm" and cfg.engine.remote.weight_update != "disk":
-        from asyncrl.trainer.publish_vllm import VllmTransferPublisher
-
         return VllmTransferPublisher(cfg)
     if cfg.engine.remote.weight_update == "nccl":
         return NcclWeightPublisher(cfg)
     return DiskWeightPublisher(cfg)
-
-
-def pub_socket(cfg) -> tuple[zmq.Context, zmq.Socket]:
-    """Rank 0's PUB socket, its endpoint written where generators find it."""
-    ctx = zmq.Context()
-    sock = server_socket(ctx, zmq.PUB, cfg.transport, cfg.run_dir)
-    endpoint = bind(sock, cfg.transport, cfg.run_dir, "trainer-weights")
-    write_endpoints(cfg.run_dir, "trainer", {"weights": endpoint})
-    return ctx, sock
 
 
 class NoWeightPublisher:
@@ -305,28 +289,3 @@ class NcclWeightPublisher:
             except (OSError, RuntimeError):
                 if check:
                     raise
-
-
-def post_control(url: str, path: str, payload: dict, timeout_s: float) -> dict:
-    """POST JSON to a server's control route; the answer, or RuntimeError when the server
-    reports failure or answers an error status (naming the route and what it said)."""
-    request = urllib.request.Request(
-        f"{url}{path}",
-        data=json.dumps(payload).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
-            text = resp.read().decode()
-    except urllib.error.HTTPError as e:  # say what the server said, not just its status
-        raise RuntimeError(f"{url}{path} answered {e.code}: {e.read()[:300]!r}") from e
-    body = json.loads(text) if text.strip().startswith("{") else {}
-    if body.get("success") is False:
-        raise RuntimeError(f"{url}{path}: {body.get('message')}")
-    return body
-
-
-def get_control(url: str, path: str, timeout_s: float) -> dict:
-    """GET a server's control route; its JSON answer."""
-    with urllib.request.urlopen(f"{url}{path}", timeout=timeout_s) as resp:
-        return json.loads(resp.read().decode())

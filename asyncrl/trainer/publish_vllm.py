@@ -48,7 +48,7 @@ import zmq
 
 from asyncrl.engine.servers import free_port
 from asyncrl.interfaces import FullParameters
-from asyncrl.trainer.publish import get_control, post_control, pub_socket
+from asyncrl.trainer.server_calls import get_control, post_control, pub_socket
 from asyncrl.transport import advertised_host, bind, close_context, server_socket
 from asyncrl.weights.groups import side_group
 from asyncrl.weights.sender import new_lineage
