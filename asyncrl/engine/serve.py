@@ -60,9 +60,9 @@ import msgspec
 from aiohttp import web
 
 from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from asyncrl.engine.openai_api import OpenAIApi
+from asyncrl.engine.openai_api import OpenAIApi, read_json
 from asyncrl.engine.serve_engine import EngineServer, Flight
-from asyncrl.engine.serve_protocol import BadRequest, decode_body, parse_generate
+from asyncrl.engine.serve_protocol import BadRequest, parse_generate
 from asyncrl.engine.vllm_api import VllmApi
 
 log = logging.getLogger("asyncrl.serve")
@@ -88,18 +88,11 @@ def _body_error(message: str) -> web.Response:
     return _json({**body, "code": 400}, 400)
 
 
-async def _read_json(request: web.Request, empty_ok: bool = False) -> dict:
-    raw = await request.read()
-    if not raw.strip() and empty_ok:
-        return {}
-    return decode_body(raw)
-
-
 async def generate(request: web.Request) -> web.StreamResponse:
     server = request.app[SERVER]
     try:
         inp = parse_generate(
-            await _read_json(request),
+            await read_json(request),
             vocab_size=server.vocab_size,
             max_seq_len=server.engine.max_seq_len,
             encode=server.tokenizer.encode,
@@ -146,7 +139,7 @@ async def _stream(request: web.Request, server: EngineServer, flight: Flight) ->
 async def abort_request(request: web.Request) -> web.Response:
     server = request.app[SERVER]
     try:
-        body = await _read_json(request)
+        body = await read_json(request)
     except BadRequest as exc:
         return _body_error(str(exc))
     rid, abort_all = body.get("rid") or "", body.get("abort_all", False)
@@ -161,7 +154,7 @@ async def abort_request(request: web.Request) -> web.Response:
 
 async def pause_generation(request: web.Request) -> web.Response:
     try:
-        mode = (await _read_json(request, empty_ok=True)).get("mode", "abort")
+        mode = (await read_json(request, empty_ok=True)).get("mode", "abort")
     except BadRequest as exc:
         return _body_error(str(exc))
     if mode not in ("abort", "retract", "in_place"):
@@ -178,7 +171,7 @@ async def continue_generation(request: web.Request) -> web.Response:
 async def update_weights_from_disk(request: web.Request) -> web.Response:
     server = request.app[SERVER]
     try:
-        body = await _read_json(request)
+        body = await read_json(request)
     except BadRequest as exc:
         return _body_error(str(exc))
     path, label = body.get("model_path"), body.get("weight_version")
@@ -242,7 +235,7 @@ async def flush_cache(request: web.Request) -> web.Response:
 
 async def slow_down(request: web.Request) -> web.Response:
     try:
-        seconds = (await _read_json(request)).get("forward_sleep_time")
+        seconds = (await read_json(request)).get("forward_sleep_time")
     except BadRequest as exc:
         return _body_error(str(exc))
     if seconds is not None and (not isinstance(seconds, int | float) or seconds < 0):

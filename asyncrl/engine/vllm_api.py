@@ -38,18 +38,14 @@ import asyncio
 
 from aiohttp import web
 
-from asyncrl.engine.openai_api import error_body, json_response
+from asyncrl.engine.openai_api import error_response, json_response, read_json
 from asyncrl.engine.serve_engine import EngineServer
-from asyncrl.engine.serve_protocol import BadRequest, decode_body
+from asyncrl.engine.serve_protocol import BadRequest
 from asyncrl.engine.vllm_client import TESTED_VLLM
 from asyncrl.engine.vllm_transfer import FrontTransfer
 
 PAUSE_MODES = {"abort": "abort", "keep": "in_place", "wait": "in_place"}
 """vLLM's pause modes, as the ``EngineServer``'s (``wait`` first lets requests finish)."""
-
-
-def _error(message: str, status: int = 400, param: str | None = None) -> web.Response:
-    return json_response(error_body(message, status, param), status)
 
 
 def _flag(value: str, name: str) -> bool:
@@ -87,11 +83,11 @@ class VllmApi:
         mode = request.query.get("mode", "abort")
         if mode not in PAUSE_MODES:
             why = f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}"
-            return _error(why, param="mode")
+            return error_response(why, param="mode")
         try:
             _flag(request.query.get("clear_cache", "true"), "clear_cache")  # no cache here
         except BadRequest as exc:
-            return _error(str(exc), param="clear_cache")
+            return error_response(str(exc), param="clear_cache")
         if mode == "wait":
             while self.server.flights:  # new requests keep coming until the pause
                 await asyncio.sleep(0.01)
@@ -107,11 +103,11 @@ class VllmApi:
 
     async def abort_requests(self, request: web.Request) -> web.Response:
         try:
-            ids = (await self._body(request)).get("request_ids")
+            ids = (await read_json(request, empty_ok=True)).get("request_ids")
         except BadRequest as exc:
-            return _error(str(exc))
+            return error_response(str(exc))
         if ids and not (isinstance(ids, list) and all(isinstance(i, str) for i in ids)):
-            return _error("request_ids must be a list of strings", param="request_ids")
+            return error_response("request_ids must be a list of strings", param="request_ids")
         if not ids:
             ids = list(self.server.flights)
             await self.server.abort_all("Aborted by /abort_requests")
@@ -122,29 +118,31 @@ class VllmApi:
 
     async def collective_rpc(self, request: web.Request) -> web.Response:
         try:
-            body = await self._body(request)
+            body = await read_json(request, empty_ok=True)
         except BadRequest as exc:
-            return _error(str(exc))
+            return error_response(str(exc))
         if body.get("method") != "reload_weights":
             why = f"method {body.get('method')!r} is not implemented (only reload_weights)"
-            return _error(why, param="method")
+            return error_response(why, param="method")
         kwargs = body.get("kwargs") or {}
         path = kwargs.get("weights_path") if isinstance(kwargs, dict) else None
         if path is not None and not isinstance(path, str):
-            return _error("kwargs.weights_path must be a string", param="kwargs")
+            return error_response("kwargs.weights_path must be a string", param="kwargs")
         try:
             await self.server.update_weights(path or self.server.model_path, None)
         except (ValueError, OSError, RuntimeError) as exc:
-            return _error(f"reload_weights failed: {exc}", 500)
+            return error_response(f"reload_weights failed: {exc}", 500)
         return json_response({"results": [None]})
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         try:
-            label = (await self._body(request)).get("new_version")
+            label = (await read_json(request, empty_ok=True)).get("new_version")
         except BadRequest as exc:
-            return _error(str(exc))
+            return error_response(str(exc))
         if not isinstance(label, str):
-            return _error(f"new_version must be a string, got {label!r:.80}", param="new_version")
+            return error_response(
+                f"new_version must be a string, got {label!r:.80}", param="new_version"
+            )
         self.server.labels[self.server.engine.version] = label
         return json_response({"success": True, "new_version": label})
 
@@ -153,8 +151,3 @@ class VllmApi:
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
-
-    @staticmethod
-    async def _body(request: web.Request) -> dict:
-        raw = await request.read()
-        return decode_body(raw) if raw.strip() else {}

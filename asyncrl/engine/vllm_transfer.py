@@ -28,19 +28,15 @@ import torch
 import torch.distributed as dist
 from aiohttp import web
 
-from asyncrl.engine.openai_api import error_body, json_response
+from asyncrl.engine.openai_api import error_response, json_response, read_json
 from asyncrl.engine.serve_engine import EngineServer
-from asyncrl.engine.serve_protocol import BadRequest, decode_body
+from asyncrl.engine.serve_protocol import BadRequest
 from asyncrl.weights.groups import side_group
 
 log = logging.getLogger(__name__)
 
 GROUP_TIMEOUT_S = 600.0
 """How long joining the group, or one broadcast, may wait for the trainer."""
-
-
-def _error(message: str, status: int = 400, param: str | None = None) -> web.Response:
-    return json_response(error_body(message, status, param), status)
 
 
 class FrontTransfer:
@@ -64,63 +60,67 @@ class FrontTransfer:
 
     async def init(self, request: web.Request) -> web.Response:
         try:
-            info = (await _body(request)).get("init_info")
+            info = (await read_json(request, empty_ok=True)).get("init_info")
             if not isinstance(info, dict):
                 raise BadRequest("Missing 'init_info' in request body")
             address, port = _field(info, "master_address", str), _field(info, "master_port", int)
             rank, world = _field(info, "rank_offset", int), _field(info, "world_size", int)
         except BadRequest as exc:
-            return _error(str(exc), param="init_info")
+            return error_response(str(exc), param="init_info")
         if not 0 < rank < world:
-            return _error(f"rank_offset {rank} is outside world_size {world}", param="init_info")
+            return error_response(
+                f"rank_offset {rank} is outside world_size {world}", param="init_info"
+            )
         self._close()
         name = f"weights_transfer_{port}"  # as the trainer names it
         join = (address, port, rank, world, name, "gloo", GROUP_TIMEOUT_S)
         try:
             self.group = await asyncio.get_running_loop().run_in_executor(None, side_group, *join)
         except (RuntimeError, ValueError, OSError) as exc:
-            return _error(f"joining the weight-transfer group failed: {exc}", 500)
+            return error_response(f"joining the weight-transfer group failed: {exc}", 500)
         return json_response({"message": "Weight transfer initialized"})
 
     async def start(self, request: web.Request) -> web.Response:
         if self.group is None:
-            return _error("weight transfer not initialized: POST /init_weight_transfer_engine")
+            return error_response(
+                "weight transfer not initialized: POST /init_weight_transfer_engine"
+            )
         self.held = {}
         return json_response({"message": "Weight update started"})
 
     async def update(self, request: web.Request) -> web.Response:
         try:
-            info = (await _body(request)).get("update_info")
+            info = (await read_json(request, empty_ok=True)).get("update_info")
             if not isinstance(info, dict):
                 raise BadRequest("Missing 'update_info' in request body")
             specs = _tensor_specs(info)
         except BadRequest as exc:
-            return _error(str(exc), param="update_info")
+            return error_response(str(exc), param="update_info")
         if self.group is None or self.held is None:
-            return _error("no weight update started: POST /start_weight_update first")
+            return error_response("no weight update started: POST /start_weight_update first")
         receive = self._receive
         try:
             got = await asyncio.get_running_loop().run_in_executor(None, receive, specs)
         except (RuntimeError, ValueError) as exc:
             self.held = None
-            return _error(f"receiving the weights failed: {exc}", 500)
+            return error_response(f"receiving the weights failed: {exc}", 500)
         self.held.update(got)
         return json_response({"message": "Weights updated"})
 
     async def finish(self, request: web.Request) -> web.Response:
         try:
-            label = (await _body(request)).get("weight_version")
+            label = (await read_json(request, empty_ok=True)).get("weight_version")
             if label is not None and not isinstance(label, str):
                 raise BadRequest(f"weight_version must be a string, got {label!r:.80}")
         except BadRequest as exc:
-            return _error(str(exc), param="weight_version")
+            return error_response(str(exc), param="weight_version")
         if self.held is None:
-            return _error("no weight update started: POST /start_weight_update first")
+            return error_response("no weight update started: POST /start_weight_update first")
         state, self.held = self.held, None
         try:
             await self.server.apply_weights(state, label)
         except (ValueError, RuntimeError) as exc:
-            return _error(f"the weights received do not fit the model: {exc}")
+            return error_response(f"the weights received do not fit the model: {exc}")
         return json_response({"message": "Weight update finished"})
 
     def close(self) -> None:
@@ -138,11 +138,6 @@ class FrontTransfer:
         if self.group is not None:
             dist.destroy_process_group(self.group)
             self.group, self.held = None, None
-
-
-async def _body(request: web.Request) -> dict:
-    raw = await request.read()
-    return decode_body(raw) if raw.strip() else {}
 
 
 def _field(info: dict, key: str, kind: type):

@@ -75,19 +75,31 @@ class _ByBatch:
 
     buckets: dict[int, list[float]] = field(default_factory=dict)
     prefill_known: bool = False
+    by_kind: dict[tuple[int, bool], list[float]] = field(default_factory=dict)
+    """[steps, seconds] by (bucket, whether the step prefilled), where that is known."""
 
     def add(self, seconds: float, sequences: int, prefill_tokens: int | None) -> None:
-        row = self.buckets.setdefault(batch_bucket(sequences), [0.0, 0.0, 0.0, 0.0])
+        bucket = batch_bucket(sequences)
+        row = self.buckets.setdefault(bucket, [0.0, 0.0, 0.0, 0.0])
         row[0] += 1
         row[1] += seconds
         row[2] += sequences
         if prefill_tokens is not None:
             row[3] += prefill_tokens
             self.prefill_known = True
+            kind = self.by_kind.setdefault((bucket, prefill_tokens > 0), [0.0, 0.0])
+            kind[0] += 1
+            kind[1] += seconds
 
-    def mean_s(self, sequences: int) -> float | None:
-        """The mean steady step of ``sequences``' bucket; None before any."""
-        row = self.buckets.get(batch_bucket(sequences))
+    def mean_s(self, sequences: int, prefill_tokens: int | None = None) -> float | None:
+        """The mean steady step of ``sequences``' bucket; None before any. With
+        ``prefill_tokens`` known, of the steps that prefilled too (or did not): a step
+        admitting new prompts costs more than a decode-only one of the same batch."""
+        bucket = batch_bucket(sequences)
+        if prefill_tokens is None:
+            row = self.buckets.get(bucket)
+        else:
+            row = self.by_kind.get((bucket, prefill_tokens > 0))
         return row[1] / row[0] if row else None
 
     def table(self) -> dict[str, dict[str, float]]:
@@ -189,7 +201,8 @@ class GeneratorStats:
         self._clock = clock  # seconds; tests drive their own
         self._window, self._total = _Totals(), _Totals()
         self._by_batch = _ByBatch()  # whole run only
-        self._update_batches: list[tuple[int, float]] = []  # (sequences, seconds) of each
+        # (sequences, seconds, prefill tokens) of each step during an update
+        self._update_batches: list[tuple[int, float, int | None]] = []
         self.weights_received = 0
         self._lock = threading.Lock()  # guards what the weights thread writes
         self._receiving = False  # frames in hand, not yet offered to the engine
@@ -257,7 +270,7 @@ class GeneratorStats:
         if not during_update:
             self._by_batch.add(seconds, tokens, prefill_tokens)
         else:
-            self._update_batches.append((tokens, seconds))
+            self._update_batches.append((tokens, seconds, prefill_tokens))
 
     def on_output(self, out: StepOutput, before: EngineStatus) -> None:
         """What the engine step just counted by ``on_step`` returned, and the engine's
@@ -305,13 +318,14 @@ class GeneratorStats:
         return out
 
     def _update_ratios(self) -> dict[str, float]:
-        """Each step during an update against the mean steady step of its batch size: what
-        an update costs a decode step, apart from which batch sizes updates fall on (they
-        come with new leases, so full batches)."""
+        """Each step during an update against the mean steady step of its batch size (and,
+        where known, of its kind: prefilling or decode-only): what an update costs a decode
+        step, apart from which batches updates fall on (they come with new leases, so full
+        batches that prefill)."""
         ratios = [
             seconds / mean
-            for sequences, seconds in self._update_batches
-            if (mean := self._by_batch.mean_s(sequences))
+            for sequences, seconds, prefill in self._update_batches
+            if (mean := self._by_batch.mean_s(sequences, prefill))
         ]
         if not ratios:
             return {}
