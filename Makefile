@@ -1,4 +1,5 @@
-# The README's two commands: `make demo` runs the main job, `make test` the test suite.
+# The README's two commands: `make demo` runs the main job, `make test` the test suite
+# (what CI runs: everything but the runs marked slow; `make test-all` adds those).
 # Both set up a .venv first (skipped when it is already there).
 PYTHON ?= python3.11
 VENV ?= .venv
@@ -7,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint format clean
+.PHONY: setup demo test test-all lint format clean
 
 setup: $(STAMP)
 
@@ -22,7 +23,10 @@ demo: $(STAMP)
 	$(PY) launch/local.py experiments/tiny_grpo.py $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow" --durations=15 $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from asyncrl.envs.calculator import write_calculator_data
 from asyncrl.models import build_tiny_model
 from tests.conftest import TEST_MODEL
@@ -92,6 +94,7 @@ def test_a_chaos_run_loses_nothing_and_counts_nothing_twice(tmp_path, tiny_model
     assert_repaired_and_balanced(figures, context, {"buffer": 1, "generator": 3, "trainer": 1})
 
 
+@pytest.mark.slow  # CI keeps the single-turn chaos run above
 def test_a_generator_killed_mid_episode_loses_no_episode(tmp_path, tiny_model_dir):
     """``tools/chaos.py --experiment experiments/tiny_agent.py``: generators killed while
     they hold multi-turn episodes. No episode is lost or trained twice, episodes are

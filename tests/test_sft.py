@@ -68,7 +68,7 @@ def test_latest_checkpoint_ignores_incomplete_writes(tmp_path):
     assert latest_checkpoint(root).name == "step_00000004"
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_launcher_runs_tiny_sft(tmp_path, ranks):
     run_dir = tmp_path / "run"
     cmd = [

@@ -179,6 +179,7 @@ def job_output(run_dir: Path, job: str) -> str:
 
 
 @pytest.mark.slurm
+@pytest.mark.slow  # CI submits a job in the repair test below
 def test_submitted_tiny_grpo_trains_and_ends_cleanly(tmp_path, tiny_model_dir, slurm_cluster):
     # transport.host=* is what a multi-node job gets: TCP on every interface, found by hostname.
     job, run_dir = submit(
@@ -212,6 +213,7 @@ def test_submitted_tiny_grpo_trains_and_ends_cleanly(tmp_path, tiny_model_dir, s
 
 
 @pytest.mark.slurm
+@pytest.mark.slow
 def test_frozen_generator_restarts_and_scancel_stops_everything(
     tmp_path, tiny_model_dir, slurm_cluster
 ):
