@@ -331,14 +331,6 @@ def error_response(message: str, status: int = 400, param: str | None = None) ->
     return json_response(error_body(message, status, param), status)
 
 
-async def read_json(request: web.Request, empty_ok: bool = False) -> dict:
-    """A request's JSON object; an empty body reads as ``{}`` where ``empty_ok``."""
-    raw = await request.read()
-    if not raw.strip() and empty_ok:
-        return {}
-    return decode_body(raw)
-
-
 class OpenAIApi:
     """The OpenAI endpoints' handlers, on one ``EngineServer``."""
 

@@ -60,9 +60,9 @@ import msgspec
 from aiohttp import web
 
 from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from asyncrl.engine.openai_api import OpenAIApi, read_json
+from asyncrl.engine.openai_api import OpenAIApi
 from asyncrl.engine.serve_engine import EngineServer, Flight
-from asyncrl.engine.serve_protocol import BadRequest, parse_generate
+from asyncrl.engine.serve_protocol import BadRequest, parse_generate, read_json
 from asyncrl.engine.vllm_api import VllmApi
 
 log = logging.getLogger("asyncrl.serve")

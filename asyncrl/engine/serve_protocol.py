@@ -28,10 +28,13 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.engine.base import FinishReason, SamplingParams
 from asyncrl.engine.stops import trim_at_stop
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 
 class BadRequest(ValueError):
@@ -110,6 +113,14 @@ def decode_body(raw: bytes) -> dict:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     return body
+
+
+async def read_json(request: web.Request, empty_ok: bool = False) -> dict:
+    """A request's body as ``decode_body`` reads it; an empty one is ``{}`` if ``empty_ok``."""
+    raw = await request.read()
+    if not raw.strip() and empty_ok:
+        return {}
+    return decode_body(raw)
 
 
 def _is_int(value: Any) -> bool:

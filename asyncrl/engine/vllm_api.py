@@ -38,9 +38,9 @@ import asyncio
 
 from aiohttp import web
 
-from asyncrl.engine.openai_api import error_response, json_response, read_json
+from asyncrl.engine.openai_api import error_response, json_response
 from asyncrl.engine.serve_engine import EngineServer
-from asyncrl.engine.serve_protocol import BadRequest
+from asyncrl.engine.serve_protocol import BadRequest, read_json
 from asyncrl.engine.vllm_client import TESTED_VLLM
 from asyncrl.engine.vllm_transfer import FrontTransfer
 

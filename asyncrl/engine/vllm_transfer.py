@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 from aiohttp import web
 
-from asyncrl.engine.openai_api import error_response, json_response, read_json
+from asyncrl.engine.openai_api import error_response, json_response
 from asyncrl.engine.serve_engine import EngineServer
-from asyncrl.engine.serve_protocol import BadRequest
+from asyncrl.engine.serve_protocol import BadRequest, read_json
 from asyncrl.weights.groups import side_group
 
 log = logging.getLogger(__name__)
