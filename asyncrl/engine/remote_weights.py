@@ -110,7 +110,7 @@ class ServerUpdates:
         the newest offered is ignored."""
         with self._changed:
             newest = max(self.version, self._target[1] if self._target else -1)
-            if version <= newest and not any(s.torn for s in self.servers):
+            if version <= newest and not self._any_torn():
                 return  # (a torn server takes any version: a restarted trainer's is older)
             self._target = (path, version)
             self.staged_version = version
@@ -149,6 +149,10 @@ class ServerUpdates:
         if self._task is None or self._task.done():
             self._task = self._loop.create_task(self._update_servers())
 
+    def _any_torn(self) -> bool:
+        """A server a failed transfer may have touched: it waits paused for any version."""
+        return any(s.torn for s in self.servers)
+
     def _settle(self, target: tuple[str | WeightsPush, int] | None) -> bool:
         """Forget ``target`` if it is still the newest offer (it is done, or it failed)."""
         with self._changed:
@@ -162,8 +166,7 @@ class ServerUpdates:
         """Bring every server to the newest offered version, one server at a time."""
         while True:
             target = self._target
-            torn = any(s.torn for s in self.servers)
-            if target is None or (target[1] <= self.version and not torn):
+            if target is None or (target[1] <= self.version and not self._any_torn()):
                 if self._settle(target):
                     return
                 continue
@@ -175,7 +178,7 @@ class ServerUpdates:
                 if state.version < version or state.torn:
                     await self._update_one(state, path, version)
             self.last_update_s = time.perf_counter() - start
-            if min(s.version for s in self.servers) < version or any(s.torn for s in self.servers):
+            if min(s.version for s in self.servers) < version or self._any_torn():
                 self.failed += 1
                 if self._settle(target):  # so the trainer's next announcement retries it
                     return

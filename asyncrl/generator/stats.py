@@ -74,7 +74,6 @@ class _ByBatch:
     """Steady engine steps by batch bucket: [steps, seconds, sequences, prefill tokens]."""
 
     buckets: dict[int, list[float]] = field(default_factory=dict)
-    prefill_known: bool = False
     by_kind: dict[tuple[int, bool], list[float]] = field(default_factory=dict)
     """[steps, seconds] by (bucket, whether the step prefilled), where that is known."""
 
@@ -86,7 +85,6 @@ class _ByBatch:
         row[2] += sequences
         if prefill_tokens is not None:
             row[3] += prefill_tokens
-            self.prefill_known = True
             kind = self.by_kind.setdefault((bucket, prefill_tokens > 0), [0.0, 0.0])
             kind[0] += 1
             kind[1] += seconds
@@ -106,7 +104,7 @@ class _ByBatch:
         out = {}
         for bucket, (steps, seconds, sequences, prefill) in sorted(self.buckets.items()):
             row = {"steps": steps, "seconds": seconds, "sequences": sequences}
-            if self.prefill_known:
+            if self.by_kind:  # prefill counted
                 row["prefill_tokens"] = prefill
             out[str(bucket)] = row
         return out
