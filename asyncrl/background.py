@@ -7,9 +7,10 @@ decode step that overlaps a weight update slows by the update's share. ``yield_c
 lowers the calling thread's scheduling priority, so that work runs in what the others
 leave: updates take longer to arrive, decode steps stay nearly as fast.
 
-Threads inherit the priority of the thread that starts them, and unprivileged code cannot
-raise it back: a thread that starts work others wait for (the trainer's bucket sender
-starts the parameter read the next optimizer step waits on) must not call this.
+The trainer's bucket sender yields too: its encoding and sending is what decode steps
+overlap. Threads inherit the priority of the thread that starts them, and unprivileged code
+cannot raise it back, so work that others wait for (the parameter read the next optimizer
+step waits on) is started from a thread at full priority, not from a yielding one.
 """
 
 from __future__ import annotations

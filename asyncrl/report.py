@@ -16,6 +16,8 @@ Reads what the processes leave in RUN_DIR: ``metrics.jsonl`` (trainer steps with
                                          (the worst generator's whole-life figure)
     update_step_ratio_p50, _p99          each decode step during an update over the mean steady
                                          step of its batch size (worst generator; null: none)
+    step_ms_p99_steady_matched           steady decode-step p99 in the update steps' mix of batch
+                                         size and prefill (to set step_ms_p99_update against)
     staleness_histogram                  consumed samples by staleness, {"0": n, "1": n, ...}
     accuracy_at_min                      {"2": acc}: the first eval at or after each minute
                                          of the trainer's clock (null: none yet)
@@ -127,6 +129,7 @@ def generator_figures(records: list[dict], run_dir: Path) -> dict[str, dict[str,
             "update_steps": summary.get("update_steps"),
             "update_step_ratio_p50": summary.get("update_step_ratio_p50"),
             "update_step_ratio_p99": summary.get("update_step_ratio_p99"),
+            "step_ms_p99_steady_matched": summary.get("steady_step_ms_p99_matched"),
             "steps": summary.get("steps"),
             "weight_flip_s_mean": summary.get("weight_flip_s"),
         }
@@ -273,6 +276,7 @@ def report(run_dir: str | Path, minutes: list[float]) -> dict[str, Any]:
         "step_ms_p99_steady": worst("step_ms_p99_steady"),
         "update_step_ratio_p50": worst("update_step_ratio_p50"),
         "update_step_ratio_p99": worst("update_step_ratio_p99"),
+        "step_ms_p99_steady_matched": worst("step_ms_p99_steady_matched"),
         "staleness_histogram": dict(sorted(staleness.items(), key=lambda kv: int(kv[0]))),
         "accuracy_at_min": accuracy_at(
             [(r["time"], r["eval/accuracy"]) for r in trainer if "eval/accuracy" in r], minutes

@@ -88,6 +88,27 @@ def test_update_steps_are_compared_with_steady_steps_that_prefilled_alike():
     assert summary["update_step_ratio_p99"] == pytest.approx(1.0)
 
 
+def test_update_steps_p99_is_set_against_steady_steps_in_their_mix():
+    """Steady steps are mostly small decode-only batches; updates fall on full batches
+    that prefill. At the same cost per kind the matched steady p99 is the update steps'
+    own, where the plain steady p99 is the small batches' (10 ms against 50); pooled
+    unweighted, the two matched kinds would give 10 ms too."""
+    stats = GeneratorStats()
+    for _ in range(4000):
+        stats.on_step(0.010, tokens=8, during_update=False, prefill_tokens=0)
+    for seconds in (0.030, 0.050):
+        for _ in range(10):
+            stats.on_step(seconds, tokens=64, during_update=False, prefill_tokens=100)
+    stats.on_step(0.030, tokens=64, during_update=False, prefill_tokens=0)
+    for _ in range(20):
+        stats.on_step(0.050, tokens=64, during_update=True, prefill_tokens=100)
+        stats.on_step(0.010, tokens=8, during_update=True, prefill_tokens=0)
+    summary = stats.summary(version=0)
+    assert summary["steady_step_ms_p99"] == pytest.approx(10.0)
+    assert summary["update_step_ms_p99"] == pytest.approx(50.0)
+    assert summary["steady_step_ms_p99_matched"] == pytest.approx(50.0)
+
+
 def test_superseded_update_is_not_timed_as_a_flip():
     stats = GeneratorStats()
     for version in (1, 2):  # v2 arrives before v1 was staged: the engine skips v1

@@ -3,6 +3,8 @@ ZeroMQ sockets, with real optimizer steps in between; the receiver's rules one b
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 
@@ -267,6 +269,40 @@ def test_a_generator_that_joins_between_anchors_asks_for_one(tmp_path, tiny_mode
         ctx.destroy(linger=0)
     for name, param in trainer.named_parameters():
         assert torch.equal(_engine_params(engine)[name], param.detach())
+
+
+def _priority() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness")
+def test_the_parameter_read_keeps_the_trainers_priority_and_the_sending_yields(tmp_path):
+    """The next optimizer step waits for the read, so it runs at the trainer's priority;
+    encoding and sending, which decode steps overlap, run lower."""
+    cfg = RolloutConfig(run_dir=str(tmp_path), run_id="ws")
+    state = {"w": torch.randn(64, 64)}
+    seen = {}
+
+    def reading():
+        seen["read"] = _priority()
+        yield from state.items()
+
+    publisher = BucketPublisher(cfg)
+    real_send = publisher._send_bucket
+
+    def sending(*args):
+        seen["send"] = _priority()
+        real_send(*args)
+
+    publisher._send_bucket = sending
+    try:
+        for version in range(2):  # an anchor, then a delta
+            publisher.publish(version, FullParameters(FullParameters.of(state).specs, reading()))
+            publisher.wait_sent()
+    finally:
+        publisher.close()
+    assert seen["read"] == _priority()
+    assert seen["send"] >= min(_priority() + 1, 19)
 
 
 def test_a_generator_follows_a_restarted_trainer(tmp_path, tiny_model_dir):

@@ -10,7 +10,10 @@ Every ``metrics.interval_s`` it logs ``window()`` as ``generator/*`` scalars, an
   no request to decode (waiting on leases, i.e. on the buffer's staleness gate);
 - engine step times (mean, p50, p99) split into **update** steps — those that began or
   ended while an update was between its frames' arrival and its flip, and the flip step
-  itself (which re-prefills under ``recompute``) — and **steady** steps;
+  itself (which re-prefills under ``recompute``) — and **steady** steps; in the summary
+  also the update steps against steady steps of the same batch size and kind
+  (``update_step_ratio_*``, ``steady_step_ms_p99_matched``), since updates come with new
+  leases and so fall on full batches that prefill;
 - per update, seconds from the frames' arrival to staged (ready to flip) and to the flip;
 - **slot occupancy** (``slot_occupancy``): the mean share of the engine's slots (running
   plus free) in use, weighted by loop-turn wall time, idle turns counting as none in use;
@@ -36,6 +39,7 @@ import math
 import threading
 import time
 from array import array
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -59,6 +63,11 @@ def step_time_stats(prefix: str, seconds: Sequence[float]) -> dict[str, float]:
     }
 
 
+def _kind(sequences: int, prefill_tokens: int | None) -> tuple[int, bool | None]:
+    """A step's stratum: its batch bucket, and whether it prefilled (None: not known)."""
+    return batch_bucket(sequences), None if prefill_tokens is None else prefill_tokens > 0
+
+
 def batch_bucket(sequences: int) -> int:
     """The bucket (its lowest batch size) of a step with ``sequences`` sequences: exact up
     to 64, then 8 wide up to 256, then 64 wide, so the table stays small at any slot count."""
@@ -74,8 +83,8 @@ class _ByBatch:
     """Steady engine steps by batch bucket: [steps, seconds, sequences, prefill tokens]."""
 
     buckets: dict[int, list[float]] = field(default_factory=dict)
-    by_kind: dict[tuple[int, bool], list[float]] = field(default_factory=dict)
-    """[steps, seconds] by (bucket, whether the step prefilled), where that is known."""
+    by_kind: dict[tuple[int, bool | None], array] = field(default_factory=dict)
+    """Every step's seconds by (bucket, whether the step prefilled; None where unknown)."""
 
     def add(self, seconds: float, sequences: int, prefill_tokens: int | None) -> None:
         bucket = batch_bucket(sequences)
@@ -85,26 +94,38 @@ class _ByBatch:
         row[2] += sequences
         if prefill_tokens is not None:
             row[3] += prefill_tokens
-            kind = self.by_kind.setdefault((bucket, prefill_tokens > 0), [0.0, 0.0])
-            kind[0] += 1
-            kind[1] += seconds
+        self.by_kind.setdefault(_kind(sequences, prefill_tokens), array("d")).append(seconds)
 
     def mean_s(self, sequences: int, prefill_tokens: int | None = None) -> float | None:
         """The mean steady step of ``sequences``' bucket; None before any. With
         ``prefill_tokens`` known, of the steps that prefilled too (or did not): a step
         admitting new prompts costs more than a decode-only one of the same batch."""
-        bucket = batch_bucket(sequences)
         if prefill_tokens is None:
-            row = self.buckets.get(bucket)
-        else:
-            row = self.by_kind.get((bucket, prefill_tokens > 0))
-        return row[1] / row[0] if row else None
+            row = self.buckets.get(batch_bucket(sequences))
+            return row[1] / row[0] if row else None
+        steps = self.by_kind.get(_kind(sequences, prefill_tokens))
+        return sum(steps) / len(steps) if steps else None
+
+    def matched_percentile(self, steps: Sequence[tuple[int, float, int | None]], q: float):
+        """The ``q``-th percentile of the steady steps weighted to the mix of bucket and
+        kind of ``steps`` ((sequences, seconds, prefill tokens) each): what those steps
+        would cost at that percentile with no update in flight. None without a match."""
+        mix = Counter(_kind(sequences, prefill) for sequences, _, prefill in steps)
+        pools = [(self.by_kind[k], n) for k, n in mix.items() if self.by_kind.get(k)]
+        if not pools:
+            return None
+        seconds = np.concatenate([np.frombuffer(pool) for pool, _ in pools])
+        weights = np.concatenate([np.full(len(pool), n / len(pool)) for pool, n in pools])
+        order = np.argsort(seconds, kind="stable")
+        cumulative = np.cumsum(weights[order])
+        at = int(np.searchsorted(cumulative, q / 100.0 * cumulative[-1]))
+        return float(seconds[order][min(at, len(seconds) - 1)])
 
     def table(self) -> dict[str, dict[str, float]]:
         out = {}
         for bucket, (steps, seconds, sequences, prefill) in sorted(self.buckets.items()):
             row = {"steps": steps, "seconds": seconds, "sequences": sequences}
-            if self.by_kind:  # prefill counted
+            if any(kind is not None for _, kind in self.by_kind):  # prefill counted
                 row["prefill_tokens"] = prefill
             out[str(bucket)] = row
         return out
@@ -319,7 +340,8 @@ class GeneratorStats:
         """Each step during an update against the mean steady step of its batch size (and,
         where known, of its kind: prefilling or decode-only): what an update costs a decode
         step, apart from which batches updates fall on (they come with new leases, so full
-        batches that prefill)."""
+        batches that prefill). And the p99 of the steady steps in the update steps' mix of
+        batch and kind, to set the update steps' own p99 against."""
         ratios = [
             seconds / mean
             for sequences, seconds, prefill in self._update_batches
@@ -328,4 +350,7 @@ class GeneratorStats:
         if not ratios:
             return {}
         p50, p99 = np.percentile(ratios, [50, 99])
-        return {"update_step_ratio_p50": float(p50), "update_step_ratio_p99": float(p99)}
+        out = {"update_step_ratio_p50": float(p50), "update_step_ratio_p99": float(p99)}
+        matched = self._by_batch.matched_percentile(self._update_batches, 99)
+        out["steady_step_ms_p99_matched"] = 1000.0 * matched  # not None: a ratio matched
+        return out

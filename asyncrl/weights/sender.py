@@ -1,14 +1,15 @@
 """Trainer rank 0's side of the bucketed weights (``BucketPublisher``).
 
-``publish`` hands the parameters (``FullParameters``: gathered one at a time) to a thread
-and returns. The thread copies them into one of two staging buffers, cast to the wire
-dtype, and sends each bucket as soon as it is filled: an anchor (the bytes) for a
-lineage's first version, every ``anchor_every`` versions and when a generator asks;
-otherwise a delta against the other buffer, which holds the previous version. The two
-buffers then swap roles. The trainer goes on meanwhile; its next optimizer step waits
-until the parameters have been read (``asyncrl.trainer.readout``). A ``publish`` that
-finds the thread still on the previous version waits for it, at most ``timeout_s``, and
-then fails saying which bucket it was stuck on.
+``publish`` starts a thread that reads the parameters (``FullParameters``: gathered one
+at a time) into one of two staging buffers, cast to the wire dtype, and returns. The
+sender thread, at a lower priority (``asyncrl.background``), sends each bucket as soon as
+it is filled: an anchor (the bytes) for a lineage's first version, every ``anchor_every``
+versions and when a generator asks; otherwise a delta against the other buffer, which
+holds the previous version. The two buffers then swap roles. The trainer goes on
+meanwhile; its next optimizer step waits until the parameters have been read
+(``asyncrl.trainer.readout``). A ``publish`` that finds the sender still on the previous
+version waits for it, at most ``timeout_s``, and then fails saying which bucket it was
+stuck on.
 
 Generators ask for an anchor on a PULL socket (``AnchorRequest``); requests that arrive
 together are answered by one anchor of the newest version sent. The PUB socket keeps at
@@ -27,6 +28,7 @@ import time
 import torch
 import zmq
 
+from asyncrl.background import yield_cpu
 from asyncrl.interfaces import FullParameters
 from asyncrl.transport import bind, close_context, server_socket, write_endpoints
 from asyncrl.weights.codec import Layout, checksum, encode_delta
@@ -73,8 +75,14 @@ class BucketPublisher:
         self._wait_idle()
         slot = 0 if self.sent is None else 1 - self.sent[1]
         with self.cond:
+            self.filled, self.fill_error = 0, None
             self.job = (version, slot, params)
             self.cond.notify_all()
+        # Started here, at the trainer's priority: the next optimizer step waits for this
+        # read, while the encoding and sending run niced on the sender's thread.
+        read = threading.Thread(target=self._fill, args=(slot, params), name="weights-read")
+        read.daemon = True  # a read stuck in a gather must not hold the interpreter at exit
+        read.start()
         return time.perf_counter() - start
 
     def republish(self) -> None:
@@ -133,6 +141,7 @@ class BucketPublisher:
 
     # ---- the sender thread -----------------------------------------------------------
     def _guarded(self) -> None:
+        yield_cpu()  # encoding and sending: what generators decode beside, on shared cores
         try:
             self._run()
         except BaseException as e:  # publish raises it: the trainer never waits on a dead thread
@@ -174,27 +183,24 @@ class BucketPublisher:
         record |= {"full_bytes": 0, "encode_s": 0.0, "send_s": time.perf_counter()}
         base = version if anchor else self.sent[0]
         ranges = self.layout.ranges(self.bucket_bytes)
-        self.filled, self.fill_error = (self.layout.total if params is None else 0), None
-        if params is not None:
-            # Its own thread: the trainer's next step waits for the read, not the encoding.
-            threading.Thread(target=self._fill, args=(slot, params), daemon=True).start()
         for index, (start, end) in enumerate(ranges):
             self.progress = f"v{version}: bucket {index + 1} of {len(ranges)}"
-            with self.cond:
-                self.cond.wait_for(
-                    lambda end=end: self.filled >= end or self.fill_error or self.closed
-                )
-                if self.fill_error is not None:
-                    raise RuntimeError(f"reading v{version}'s parameters failed") from (
-                        self.fill_error
-                    )
-                if self.filled < end:
-                    return  # closed while reading: the version is not sent
+            # A version sent again is in its buffer already; a new one waits for the read.
+            if params is not None and not self._wait_read(version, end):
+                return  # closed while reading: the version is not sent
             head = (version, base, index, len(ranges), start, end)
             self._send_bucket(record, slot, anchor, *head)
         record["send_s"] = time.perf_counter() - record["send_s"]
         self.history.append(record)
         self.progress = f"v{version} sent"
+
+    def _wait_read(self, version: int, end: int) -> bool:
+        """Wait until the read has filled the buffer up to ``end``; False if closed first."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.filled >= end or self.fill_error or self.closed)
+            if self.fill_error is not None:
+                raise RuntimeError(f"reading v{version}'s parameters failed") from self.fill_error
+            return self.filled >= end
 
     def _anchor_due(self) -> bool:
         every = self.wcfg.anchor_every
