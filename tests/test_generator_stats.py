@@ -109,6 +109,18 @@ def test_update_steps_p99_is_set_against_steady_steps_in_their_mix():
     assert summary["steady_step_ms_p99_matched"] == pytest.approx(50.0)
 
 
+def test_an_update_step_of_unknown_kind_is_matched_by_every_steady_step_of_its_batch():
+    """An engine that does not say what a step prefilled: its update steps match all the
+    steady steps of their batch size, whatever those prefilled."""
+    stats = GeneratorStats()
+    for seconds, prefill in ((0.010, 0), (0.020, 0), (0.040, 100)):
+        stats.on_step(seconds, tokens=3, during_update=False, prefill_tokens=prefill)
+    stats.on_step(0.080, tokens=3, during_update=True)
+    summary = stats.summary(version=0)
+    assert summary["update_step_ratio_p50"] == pytest.approx(0.080 / (0.070 / 3))
+    assert summary["steady_step_ms_p99_matched"] == pytest.approx(40.0)
+
+
 def test_superseded_update_is_not_timed_as_a_flip():
     stats = GeneratorStats()
     for version in (1, 2):  # v2 arrives before v1 was staged: the engine skips v1

@@ -111,15 +111,24 @@ class _ByBatch:
         kind of ``steps`` ((sequences, seconds, prefill tokens) each): what those steps
         would cost at that percentile with no update in flight. None without a match."""
         mix = Counter(_kind(sequences, prefill) for sequences, _, prefill in steps)
-        pools = [(self.by_kind[k], n) for k, n in mix.items() if self.by_kind.get(k)]
+        pools = [(pool, n) for k, n in mix.items() if len(pool := self._pool(*k))]
         if not pools:
             return None
-        seconds = np.concatenate([np.frombuffer(pool) for pool, _ in pools])
+        seconds = np.concatenate([pool for pool, _ in pools])
         weights = np.concatenate([np.full(len(pool), n / len(pool)) for pool, n in pools])
         order = np.argsort(seconds, kind="stable")
         cumulative = np.cumsum(weights[order])
         at = int(np.searchsorted(cumulative, q / 100.0 * cumulative[-1]))
         return float(seconds[order][min(at, len(seconds) - 1)])
+
+    def _pool(self, bucket: int, prefilled: bool | None) -> np.ndarray:
+        """The steady steps of one stratum; a step whose kind is unknown matches every
+        steady step of its bucket, as in ``mean_s``."""
+        kinds = [prefilled] if prefilled is not None else [True, False, None]
+        found = [
+            np.frombuffer(self.by_kind[(bucket, k)]) for k in kinds if (bucket, k) in self.by_kind
+        ]
+        return np.concatenate(found) if found else np.empty(0)
 
     def table(self) -> dict[str, dict[str, float]]:
         out = {}
