@@ -1,9 +1,14 @@
 """Memory that shards: the trainer's meta-device loading equals ``load_model``, the
 sharded KL reference gives the unsharded one's logprobs, activation checkpointing changes
-no loss or gradient, and CPU offload is refused on a CPU trainer. The two-rank checks of
+no loss or gradient, CPU offload is refused on a CPU trainer, and a fixed mmap threshold
+gives freed tensors back to the system. The two-rank checks of
 the same loading are in ``test_trainer.py`` (``fsdp_worker``)."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -11,6 +16,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from asyncrl.config import ConfigError
+from asyncrl.launcher.prepare import resolve
 from asyncrl.models import ModelConfig, load_model
 from asyncrl.stages.rl_batch import add_reference_logprobs
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
@@ -143,3 +150,47 @@ def test_two_ranks_load_what_load_model_loads(tiny_model_dir, tied_model_dir, tm
             add_reference_logprobs(plain, [mb], torch.device("cpu"), REFERENCE_TEMPERATURE)
             torch.testing.assert_close(got, mb.fields["reference"], atol=1e-6, rtol=1e-6)
     assert counts[0] > counts[1]
+
+
+FREE_AFTER_HEAP_GROWTH = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from asyncrl.trainer.dist import set_malloc_mmap_threshold
+
+    def resident_mb():
+        line = next(x for x in open("/proc/self/status") if x.startswith("VmRSS"))
+        return int(line.split()[1]) / 1024
+
+    if sys.argv[1] != "0":
+        set_malloc_mmap_threshold(int(sys.argv[1]))
+    big = torch.ones(4 << 20)  # 16 MiB, mapped; freeing it raises glibc's own threshold
+    del big
+    start = resident_mb()
+    pair = [torch.ones(2 << 20), torch.ones(2 << 20)]  # 8 MiB each
+    del pair
+    print(resident_mb() - start)
+    """
+)
+
+
+@pytest.mark.parametrize("threshold", [0, 131072])
+def test_a_fixed_mmap_threshold_returns_freed_tensors_to_the_system(threshold):
+    """glibc's own threshold rises past a freed 16 MiB tensor, so the next 8 MiB ones come
+    from the heap and stay resident when freed; at a fixed 128 KiB they are unmapped."""
+    out = subprocess.run(
+        [sys.executable, "-c", FREE_AFTER_HEAP_GROWTH, str(threshold)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    held_mb = float(out.stdout)
+    assert held_mb > 12 if threshold == 0 else held_mb < 2
+
+
+@pytest.mark.parametrize("threshold", [-1, 64 << 20])
+def test_an_mmap_threshold_glibc_cannot_take_is_a_config_error(threshold):
+    with pytest.raises(ConfigError, match="malloc_mmap_threshold"):
+        TrainerConfig(malloc_mmap_threshold=threshold)
+    with pytest.raises(ConfigError, match="malloc_mmap_threshold"):  # before any process
+        resolve("experiments/longtail_grpo.py", [f"trainer.malloc_mmap_threshold={threshold}"])

@@ -28,13 +28,16 @@ rises (to 32 MB) as large tensors are freed, so on this model most tensors (a de
 layer's weights are 3–17 MB) end up in the heap, whose freed pages stay resident. VmHWM
 then counts gigabytes that no tensor holds (at the end of a step, 2 GB above the live
 state on the 24-layer Qwen2.5-0.5B). ``--mmap-threshold BYTES`` fixes glibc's threshold
-(``MALLOC_MMAP_THRESHOLD_``) in every rank, so freed tensors go back to the system and
+(``trainer.malloc_mmap_threshold``) in every rank, so freed tensors go back to the system and
 the peak is that of the memory the trainer holds; the default leaves glibc as it is.
+``last_step_s_*`` time each configuration's last step (its cost: mapping fresh pages
+where the heap would reuse them), for runs with and without the threshold side by side.
 
 Ends with one JSON line:
 
     {"params", "peak_gb_1rank", "peak_gb_2ranks_max", "ratio",
-     "peak_gb_1rank_kl", "peak_gb_2ranks_kl_max", "ratio_kl", ...}
+     "peak_gb_1rank_kl", "peak_gb_2ranks_kl_max", "ratio_kl",
+     "last_step_s_1rank", "last_step_s_2ranks_max", ...}
 
 Run: ``.venv/bin/python tools/bench_trainer_memory.py`` (``--old-loading`` for the old path).
 """
@@ -48,6 +51,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -60,7 +64,12 @@ from asyncrl.stages.rl_batch import add_reference_logprobs
 from asyncrl.trainer import core as core_module
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import TrainerCore, frozen_model, shard_model
-from asyncrl.trainer.dist import DistInfo, init_distributed, shutdown_distributed
+from asyncrl.trainer.dist import (
+    DistInfo,
+    init_distributed,
+    set_malloc_mmap_threshold,
+    shutdown_distributed,
+)
 from asyncrl.trainer.logprobs import token_logprobs
 from asyncrl.trainer.packing import MicroBatch, TokenSequence, make_micro_batches
 
@@ -104,13 +113,16 @@ def old_sharded_model(model_cfg: ModelConfig, info: DistInfo, cfg=None):
 def worker(args: argparse.Namespace) -> None:
     """One rank: build, step, write its figures as JSON to ``args.out``."""
     torch.set_num_threads(1)
-    info = init_distributed("cpu", args.rendezvous)
-    start_gb = resident_gb("VmRSS")
-    model_cfg = ModelConfig(path=args.model)
     trainer_cfg = TrainerConfig(
         micro_batch_tokens=args.micro_batch_tokens,
         reduce_every_micro_batch=args.reduce_every_micro_batch,
+        malloc_mmap_threshold=args.mmap_threshold,
     )
+    if args.mmap_threshold:  # as ``stage_main`` does, before anything is allocated
+        set_malloc_mmap_threshold(args.mmap_threshold)
+    info = init_distributed("cpu", args.rendezvous)
+    start_gb = resident_gb("VmRSS")
+    model_cfg = ModelConfig(path=args.model)
     optim = OptimConfig(lr=1e-5, warmup_steps=0, schedule="constant")
     if args.old_loading:
         with mock.patch.object(core_module, "sharded_model", old_sharded_model):
@@ -122,14 +134,16 @@ def worker(args: argparse.Namespace) -> None:
     loaded_gb = resident_gb("VmHWM")
     batch = global_batch(core.model.config.vocab_size, args.sequences)
     mine = split_balanced([len(s) for s in batch], info.world_size)[info.rank]
-    losses = []
+    losses, step_s = [], []
     for _ in range(args.steps):
+        start = time.perf_counter()
         micro = make_micro_batches(
             [batch[i] for i in mine], args.micro_batch_tokens, "packed", 0, args.row_tokens
         )
         if reference is not None:
             add_reference_logprobs(reference, micro, info.device, 1.0)
         losses.append(core.train_step(micro, loss_fn).loss)
+        step_s.append(time.perf_counter() - start)
     result = {
         "rank": info.rank,
         "params": sum(p.numel() for p in core.model.parameters()),
@@ -138,6 +152,7 @@ def worker(args: argparse.Namespace) -> None:
         "peak_gb": resident_gb("VmHWM"),
         "resident_end_gb": resident_gb("VmRSS"),
         "losses": losses,
+        "last_step_s": step_s[-1],
     }
     Path(args.out).write_text(json.dumps(result))
     shutdown_distributed()
@@ -156,10 +171,9 @@ def run_ranks(args: argparse.Namespace, world: int, kl: bool, tmp: Path) -> list
         cmd += ["--row-tokens", str(args.row_tokens)]
         cmd += ["--kl"] * kl + ["--old-loading"] * args.old_loading
         cmd += ["--reduce-every-micro-batch"] * args.reduce_every_micro_batch
+        cmd += ["--mmap-threshold", str(args.mmap_threshold)]
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
         env.pop("MASTER_ADDR", None)
-        if args.mmap_threshold is not None:
-            env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
         procs.append(subprocess.Popen(cmd, env=env))
         outs.append(out)
     codes = [p.wait() for p in procs]
@@ -188,6 +202,8 @@ def summary(runs: dict[str, list[dict]]) -> dict:
         end_two = max(r["resident_end_gb"] for r in two)
         out[f"resident_end_gb_2ranks{suffix}_max"] = round(end_two, 3)
         out[f"start_gb{suffix}"] = round(one["start_gb"], 3)
+        out[f"last_step_s_1rank{suffix}"] = round(one["last_step_s"], 2)
+        out[f"last_step_s_2ranks{suffix}_max"] = round(max(r["last_step_s"] for r in two), 2)
     return out
 
 
@@ -205,7 +221,8 @@ def main() -> None:
     p.add_argument(
         "--mmap-threshold",
         type=int,
-        help="fix glibc's mmap threshold (bytes) in every rank, e.g. 131072; default: glibc's",
+        default=0,
+        help="trainer.malloc_mmap_threshold (bytes) in every rank, e.g. 131072; 0: glibc's",
     )
     p.add_argument(
         "--reduce-every-micro-batch",

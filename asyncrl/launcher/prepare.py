@@ -26,6 +26,8 @@ def resolve(experiment: str, overrides: list[str]) -> Any:
     cfg = load_experiment(experiment)
     apply_overrides(cfg, overrides)
     cfg.finalize()
+    if hasattr(cfg, "trainer"):
+        cfg.trainer.check()
     return cfg
 
 

@@ -23,7 +23,13 @@ from asyncrl.config import load_json
 from asyncrl.metrics import MetricsLogger
 from asyncrl.trainer.checkpoint import latest_checkpoint, load_checkpoint
 from asyncrl.trainer.core import TrainerCore, barrier
-from asyncrl.trainer.dist import DistInfo, all_reduce_max, init_distributed, shutdown_distributed
+from asyncrl.trainer.dist import (
+    DistInfo,
+    all_reduce_max,
+    init_distributed,
+    set_malloc_mmap_threshold,
+    shutdown_distributed,
+)
 
 
 def threads_for(threads_per_rank: int, num_ranks: int) -> int:
@@ -71,6 +77,8 @@ def stage_main(run: Callable[[Any, DistInfo], Any], argv: list[str] | None = Non
     args = parser.parse_args(argv)
     cfg = load_json(args.config)
     torch.set_num_threads(threads_for(cfg.trainer.threads_per_rank, cfg.trainer.num_ranks))
+    if cfg.trainer.malloc_mmap_threshold:
+        set_malloc_mmap_threshold(cfg.trainer.malloc_mmap_threshold)
     seed_everything(cfg.seed)
     info = init_distributed(cfg.trainer.device, str(Path(cfg.run_dir) / "rendezvous"))
     try:

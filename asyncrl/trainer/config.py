@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass
 from typing import Literal
+
+from asyncrl.config import ConfigError
 
 
 @dataclass
@@ -74,6 +77,12 @@ class TrainerConfig:
     whole model's unsharded gradient (FSDP2 keeps that while sync is off), for one
     reduce-scatter per micro-batch. Measured on Qwen2.5-0.5B's shape, 2 CPU ranks of 2
     micro-batches: the peak per rank 0.5 GB lower. Same gradients up to summation order."""
+    malloc_mmap_threshold: int = 0
+    """Bytes above which glibc's allocator maps each allocation on its own (and unmaps it
+    when freed) in the trainer ranks; 0 leaves glibc's threshold, which rises to 32 MB as
+    large tensors are freed, after which freed tensors' memory stays in the heap. Measured
+    on Qwen2.5-0.5B's shape, 2 CPU ranks: 131072 (128 KiB) lowers the peak per rank 2-3 GB
+    (to the tensors' own); glibc only."""
     cpu_offload: bool = False
     """Keep parameter shards, gradients and the optimizer step in CPU memory between uses
     (FSDP2's ``CPUOffloadPolicy``): accelerator memory for time on a GPU. A CPU trainer
@@ -81,3 +90,18 @@ class TrainerConfig:
     max_nonfinite_steps: int = 5
     """Stop the run after this many consecutive optimizer updates with a NaN/inf loss or
     gradient (with ``rl.update_epochs`` = N, a batch takes N updates)."""
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Raise ``ConfigError`` for a value that cannot work (again after overrides)."""
+        if not 0 <= self.malloc_mmap_threshold <= 32 << 20:  # glibc's most on 64 bits
+            raise ConfigError(
+                f"trainer.malloc_mmap_threshold must be 0 or a byte count up to 32 MiB, got "
+                f"{self.malloc_mmap_threshold}"
+            )
+        if self.malloc_mmap_threshold and platform.libc_ver()[0] != "glibc":
+            raise ConfigError(
+                "trainer.malloc_mmap_threshold sets glibc's allocator: not glibc here"
+            )

@@ -7,6 +7,7 @@ directory, so no port is ever hard-coded. gloo on CPU, NCCL on CUDA.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,16 @@ def init_distributed(
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
     mesh = init_device_mesh(device.type, (world_size,))
     return DistInfo(rank=rank, world_size=world_size, device=device, mesh=mesh)
+
+
+def set_malloc_mmap_threshold(nbytes: int) -> None:
+    """Fix glibc's mmap threshold of this process at ``nbytes`` (``trainer.
+    malloc_mmap_threshold``): allocations above it are mapped and, when freed, returned to
+    the system, where glibc's own threshold (it rises as large blocks are freed) would
+    keep them resident in the heap. Call it before the model is built."""
+    m_mmap_threshold = -3  # from glibc's malloc.h
+    if not ctypes.CDLL(None).mallopt(m_mmap_threshold, nbytes):
+        raise ValueError(f"glibc refused an mmap threshold of {nbytes} bytes (at most 32 MiB)")
 
 
 def shutdown_distributed() -> None:
