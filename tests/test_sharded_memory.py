@@ -162,8 +162,7 @@ FREE_AFTER_HEAP_GROWTH = textwrap.dedent(
         line = next(x for x in open("/proc/self/status") if x.startswith("VmRSS"))
         return int(line.split()[1]) / 1024
 
-    if sys.argv[1] != "0":
-        set_malloc_mmap_threshold(int(sys.argv[1]))
+    set_malloc_mmap_threshold(int(sys.argv[1]))
     big = torch.ones(4 << 20)  # 16 MiB, mapped; freeing it raises glibc's own threshold
     del big
     start = resident_mb()

@@ -118,8 +118,7 @@ def worker(args: argparse.Namespace) -> None:
         reduce_every_micro_batch=args.reduce_every_micro_batch,
         malloc_mmap_threshold=args.mmap_threshold,
     )
-    if args.mmap_threshold:  # as ``stage_main`` does, before anything is allocated
-        set_malloc_mmap_threshold(args.mmap_threshold)
+    set_malloc_mmap_threshold(trainer_cfg.malloc_mmap_threshold)  # as ``stage_main`` does
     info = init_distributed("cpu", args.rendezvous)
     start_gb = resident_gb("VmRSS")
     model_cfg = ModelConfig(path=args.model)

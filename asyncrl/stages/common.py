@@ -77,8 +77,7 @@ def stage_main(run: Callable[[Any, DistInfo], Any], argv: list[str] | None = Non
     args = parser.parse_args(argv)
     cfg = load_json(args.config)
     torch.set_num_threads(threads_for(cfg.trainer.threads_per_rank, cfg.trainer.num_ranks))
-    if cfg.trainer.malloc_mmap_threshold:
-        set_malloc_mmap_threshold(cfg.trainer.malloc_mmap_threshold)
+    set_malloc_mmap_threshold(cfg.trainer.malloc_mmap_threshold)
     seed_everything(cfg.seed)
     info = init_distributed(cfg.trainer.device, str(Path(cfg.run_dir) / "rendezvous"))
     try:

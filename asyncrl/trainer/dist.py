@@ -60,9 +60,12 @@ def init_distributed(
 
 def set_malloc_mmap_threshold(nbytes: int) -> None:
     """Fix glibc's mmap threshold of this process at ``nbytes`` (``trainer.
-    malloc_mmap_threshold``): allocations above it are mapped and, when freed, returned to
-    the system, where glibc's own threshold (it rises as large blocks are freed) would
-    keep them resident in the heap. Call it before the model is built."""
+    malloc_mmap_threshold``; 0 leaves glibc's own): allocations above it are mapped and,
+    when freed, returned to the system, where glibc's own threshold (it rises as large
+    blocks are freed) would keep them resident in the heap. Call it before the model is
+    built."""
+    if not nbytes:
+        return
     m_mmap_threshold = -3  # from glibc's malloc.h
     if not ctypes.CDLL(None).mallopt(m_mmap_threshold, nbytes):
         raise ValueError(f"glibc refused an mmap threshold of {nbytes} bytes (at most 32 MiB)")
