@@ -208,6 +208,27 @@ def test_abort_ends_the_request_on_the_server(front, tiny_model_dir, api):
         engine.close()
 
 
+def test_a_vllm_server_found_paused_gets_no_request_until_weights_load(front, tiny_model_dir):
+    """A server paused when a generator attaches (the one before died after a transfer into
+    it failed part-way) is taken as torn: requests wait unsent, no slot is offered for
+    leases, and the next update from disk resumes it; the request then runs there."""
+    post(front, "/pause?mode=abort", {})
+    engine = attached(front, tiny_model_dir, "vllm")
+    try:
+        version = engine.status().version
+        assert engine.servers[0].torn and engine.status().free_slots == 0
+        engine.submit(Request("a", [3, 4, 5], SamplingParams(max_new_tokens=4, temperature=0)))
+        time.sleep(0.5)
+        assert engine.status().running == 0
+        engine.stage_weights(tiny_model_dir, version + 1, wait=True)
+        assert not engine.servers[0].torn
+        tokens, _ = drain(engine, ["a"])
+        assert [t.version for t in tokens["a"]] == [version + 1] * 4
+    finally:
+        post(front, "/resume", {})
+        engine.close()
+
+
 def run_tiny_grpo(
     run_dir: Path, model_dir: str, url: str, *overrides: str
 ) -> subprocess.CompletedProcess:

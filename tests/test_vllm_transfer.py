@@ -99,8 +99,9 @@ def test_the_trainer_sends_versions_into_a_vllm_api_server(tiny_model_dir, tmp_p
 def test_a_server_torn_by_a_failed_transfer_waits_paused_for_the_next(tiny_model_dir, tmp_path):
     """A push that fails once it may have touched the server's weights leaves it paused
     and out of rotation (requests wait, none runs on mixed weights under the old label,
-    no lease is taken for it); the next successful transfer resumes it, even of an older
-    version (a trainer restarted from a checkpoint), and the waiting request runs on it."""
+    no lease is taken for it), also for a generator restarted meanwhile, which finds it
+    paused; the next successful transfer resumes it, even of an older version (a trainer
+    restarted from a checkpoint), and the waiting request runs on it."""
     with launched_front(tiny_model_dir, tmp_path) as url:
         remote = RemoteEngineConfig(
             urls=[url], server="vllm", weight_update="gloo", threads=1, request_timeout_s=60
@@ -120,15 +121,22 @@ def test_a_server_torn_by_a_failed_transfer_waits_paused_for_the_next(tiny_model
             time.sleep(1.0)
             out = engine.step()
             assert not out.tokens and engine.status().running == 0  # it waits, unsent
-            older = perturbed_weights(tiny_model_dir, tmp_path / "v1")
-            state = load_model(ModelConfig(path=str(older))).state_dict()
-            publisher.publish(1, FullParameters.of(state))
-            engine.stage_weights(push, 1)
-            wait_until(lambda: not engine.servers[0].torn, "the torn server was not retried")
-            assert call(url, "/is_paused") == (200, {"is_paused": False})
-            tokens, _ = drain(engine, ["a"])
-            assert tokens["a"] and {t.version for t in tokens["a"]} == {1}
-            assert engine.servers[0].version == 1
+            engine.close()  # its generator dies; the one restarted attaches:
+            with contextlib.closing(RemoteEngine(tiny_model_dir, remote)) as restarted:
+                assert restarted.servers[0].torn and restarted.servers[0].version == 2
+                assert restarted.status().free_slots == 0
+                restarted.submit(Request("a", [3, 4, 5], GREEDY))
+                time.sleep(0.5)
+                assert restarted.status().running == 0
+                older = perturbed_weights(tiny_model_dir, tmp_path / "v1")
+                state = load_model(ModelConfig(path=str(older))).state_dict()
+                publisher.publish(1, FullParameters.of(state))
+                restarted.stage_weights(push, 1)
+                wait_until(lambda: not restarted.servers[0].torn, "the torn server stayed out")
+                assert call(url, "/is_paused") == (200, {"is_paused": False})
+                tokens, _ = drain(restarted, ["a"])
+                assert tokens["a"] and {t.version for t in tokens["a"]} == {1}
+                assert restarted.servers[0].version == 1
 
 
 def wait_until(condition, message: str, timeout_s: float = 30.0) -> None:

@@ -151,9 +151,7 @@ class RemoteEngine:
         self._session: aiohttp.ClientSession = self._call(self._open_session())
         try:  # start from the versions the servers report (attached ones may run others)
             for state in self.servers:
-                state.version = self._call(
-                    self.api.attach(self._session, state.server.url, version)
-                )
+                self._call(self.api.attach(self._session, state))
         except BaseException:
             self.close()
             raise

@@ -7,7 +7,8 @@ resending of interrupted requests and the caller's view; ``ServerUpdates``
 differs between sglang and vLLM is behind these four calls, one object per engine, picked
 by ``engine.remote.server`` (``server_api``):
 
-- ``attach``: check a server (its version) and learn the weights version it runs;
+- ``attach``: check a server (its version) and learn the weights version it runs, and
+  whether it is paused with weights that may be mixed (torn);
 - ``generate``: one attempt of a request, its tokens reported as they arrive, each with
   its logprob and weights version;
 - ``abort``: end one attempt early (its ``generate`` then returns finish reason abort);
@@ -67,9 +68,10 @@ class AttemptEnd:
 
 
 class ServerApi(Protocol):
-    async def attach(self, session: aiohttp.ClientSession, url: str, version: int) -> int:
-        """Check the server at ``url`` (RuntimeError when it cannot be driven) and return
-        the weights version it runs (``version`` when it reports none)."""
+    async def attach(self, session: aiohttp.ClientSession, state: ServerState) -> None:
+        """Check ``state``'s server (RuntimeError when it cannot be driven) and set the
+        weights version it runs (left as is when it reports none) and ``torn`` when it
+        is paused (a generator that failed a transfer into it, then died)."""
         ...
 
     async def generate(
@@ -103,9 +105,9 @@ class SglangServerApi:
     def __init__(self, eos_ids: set[int]) -> None:
         self.eos_ids = eos_ids
 
-    async def attach(self, session: aiohttp.ClientSession, url: str, version: int) -> int:
-        info = await get_json(session, url, "/get_model_info")
-        return api.as_version(info.get("weight_version"), version)
+    async def attach(self, session: aiohttp.ClientSession, state: ServerState) -> None:
+        info = await get_json(session, state.server.url, "/get_model_info")
+        state.version = api.as_version(info.get("weight_version"), state.version)
 
     async def generate(
         self, session: aiohttp.ClientSession, state: ServerState, attempt: Attempt

@@ -45,7 +45,9 @@ server runs with ``VLLM_SERVER_DEV_MODE=1``; launched servers get it.
   against asyncrl's front, which receives over gloo): the pause and drain as above, then
   the trainer sends the version into this server when asked (the ``WeightsPush``;
   ``asyncrl.trainer.publish_vllm`` makes those calls), then ``/resume``. A server whose
-  transfer failed part-way is left paused and gets no request until one succeeds.
+  transfer failed part-way is left paused and gets no request until one succeeds; a
+  server found paused at attach (``GET /is_paused``: its generator died meanwhile) is
+  treated the same.
   Launched servers get ``--weight-transfer-config {"backend": "nccl"}``.
 - **Abort.** vLLM aborts a request when its HTTP connection closes: ``abort`` is the
   attempt's ``cancel`` event, which closes it.
@@ -151,14 +153,26 @@ class VllmServerApi:
         self.models: dict[str, str] = {}
         """Served model name of each server (``/v1/models``), sent as ``model``."""
 
-    async def attach(self, session: aiohttp.ClientSession, url: str, version: int) -> int:
+    async def attach(self, session: aiohttp.ClientSession, state: ServerState) -> None:
+        """A server found paused is taken as torn: this client leaves one paused only
+        when a transfer into it may have failed part-way, and its generator may have died
+        before the next one. A paused vLLM holds the requests sent to it, so it gets none
+        until an update succeeds and resumes it."""
+        url = state.server.url
         check_version(url, (await get_json(session, url, "/version")).get("version"))
         models = (await get_json(session, url, "/v1/models")).get("data") or []
         if not models:
             raise RuntimeError(f"the vLLM server at {url} lists no model on /v1/models")
         self.models[url] = models[0]["id"]
         info = await get_json(session, url, "/weight_info")  # {} without dev mode
-        return as_version(info.get("weight_version"), version)
+        state.version = as_version(info.get("weight_version"), state.version)
+        if (await get_json(session, url, "/is_paused")).get("is_paused"):
+            state.torn = True
+            log.warning(
+                "the vLLM server at %s is paused, its weights possibly mixed: it gets no "
+                "request until the next weight update into it succeeds",
+                url,
+            )
 
     async def generate(
         self, session: aiohttp.ClientSession, state: ServerState, attempt: Attempt
@@ -207,6 +221,7 @@ class VllmServerApi:
             rpc = {"method": "reload_weights", "kwargs": {"weights_path": path}}
             if await post_json(session, url, "/collective_rpc", rpc) is None:
                 return False
+            state.torn = False  # a whole version loaded: one found paused may resume
             # The label is for whoever attaches later (``/weight_info``); this client
             # knows the version either way, so a server without the route still counts.
             await post_json(session, url, "/update_weight_version", {"new_version": str(version)})
