@@ -41,6 +41,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -59,6 +60,23 @@ log = logging.getLogger(__name__)
 TransferError = (OSError, RuntimeError, ValueError, TimeoutError)
 """What a failed HTTP call, group or broadcast raises (anything else is a bug: logged with
 its traceback, answered all the same)."""
+
+
+class TransferSender(Protocol):
+    """Rank 0's end of the group with one server's workers, built by
+    ``cls(address, port, world_size, timeout_s)`` while the server joins."""
+
+    packed: bool
+    """How ``/update_weights`` describes the tensors: packed buffers (vLLM's NCCL engine)
+    or one broadcast each."""
+
+    def send(self, state: dict[str, torch.Tensor], deadline: float) -> None:
+        """Send ``state`` in its order; raise ``TimeoutError`` at ``deadline`` (epoch s)."""
+        ...
+
+    def close(self) -> None:
+        """Leave the group (a restarted server gets a new one)."""
+        ...
 
 
 class GlooSender:
@@ -125,7 +143,7 @@ class VllmNcclSender:
         self.group = None  # vLLM's communicator has no explicit teardown
 
 
-SENDERS = {"gloo": GlooSender, "nccl": VllmNcclSender}
+SENDERS: dict[str, type[TransferSender]] = {"gloo": GlooSender, "nccl": VllmNcclSender}
 
 
 class VllmTransferPublisher:
@@ -149,7 +167,7 @@ class VllmTransferPublisher:
         self.rep = server_socket(self.ctx, zmq.REP, cfg.transport, cfg.run_dir)
         self.endpoint = bind(self.rep, cfg.transport, cfg.run_dir, "trainer-transfer")
         self.decoder = WireDecoder(cfg.run_id, expected=TransferAsk)
-        self.senders: dict[str, GlooSender | VllmNcclSender] = {}
+        self.senders: dict[str, TransferSender] = {}
         self.transfers = 0
         self.touched = False  # the current transfer has reached the server's weights
         self.busy: tuple[str, float] | None = None  # (server, since) of the current transfer
@@ -268,7 +286,7 @@ class VllmTransferPublisher:
                 raise
             self._send(self._sender(url, deadline), url, version, state, deadline)
 
-    def _sender(self, url: str, deadline: float) -> GlooSender | VllmNcclSender:
+    def _sender(self, url: str, deadline: float) -> TransferSender:
         if url in self.senders:
             return self.senders[url]
         workers = int(get_control(url, "/get_world_size", self._left(deadline))["world_size"])
@@ -296,7 +314,9 @@ class VllmTransferPublisher:
         self.senders[url] = sender
         return sender
 
-    def _send(self, sender, url: str, version: int, state: dict, deadline: float) -> None:
+    def _send(
+        self, sender: TransferSender, url: str, version: int, state: dict, deadline: float
+    ) -> None:
         info = {
             "names": list(state),
             "dtype_names": [str(t.dtype).removeprefix("torch.") for t in state.values()],
