@@ -211,22 +211,25 @@ class VllmServerApi:
         version: int,
         drain: Callable[[ServerState], Awaitable[None]],
     ) -> bool:
-        url = state.server.url
+        url, loaded = state.server.url, False
         try:
             if await post_json(session, url, "/pause?mode=abort&clear_cache=true", {}) is None:
                 return False
             await drain(state)
             if not isinstance(path, str):
-                return await self._pushed(state, path, version)
+                loaded = await self._pushed(state, path, version)
+                return loaded
             rpc = {"method": "reload_weights", "kwargs": {"weights_path": path}}
-            if await post_json(session, url, "/collective_rpc", rpc) is None:
-                return False
-            state.torn = False  # a whole version loaded: one found paused may resume
-            # The label is for whoever attaches later (``/weight_info``); this client
-            # knows the version either way, so a server without the route still counts.
-            await post_json(session, url, "/update_weight_version", {"new_version": str(version)})
-            return True
+            loaded = await post_json(session, url, "/collective_rpc", rpc) is not None
+            if loaded:
+                # The label is for whoever attaches later (``/weight_info``); this client
+                # knows the version either way, so a server without the route still counts.
+                body = {"new_version": str(version)}
+                await post_json(session, url, "/update_weight_version", body)
+            return loaded
         finally:
+            if loaded:  # a whole version is in: a server left or found torn may resume
+                state.torn = False
             if not state.torn:
                 await post_json(session, url, "/resume", {})
 
@@ -245,7 +248,6 @@ class VllmServerApi:
         except BaseException:  # cancelled (the engine closing) while the trainer may send
             state.torn = True
             raise
-        state.torn = False
         return True
 
 
