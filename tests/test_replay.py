@@ -31,7 +31,9 @@ def test_a_replayed_run_ends_with_its_weights_bit_for_bit(tmp_path, tiny_model_d
         f"run_dir={run_dir}",
         f"model.path={tiny_model_dir}",
         "rl.max_steps=6",
-        "trainer.checkpoint_every=3",
+        # Every version kept, so each single-version sample can be decoded again.
+        "trainer.checkpoint_every=1",
+        "trainer.keep_checkpoints=0",
         "eval.every_steps=3",
         "eval.num_examples=8",
         "task.train_size=200",

@@ -61,7 +61,7 @@ class TrainerConfig:
     checkpoint_every: int = 0
     """Write a checkpoint every this many steps (0: only at the end)."""
     keep_checkpoints: int = 2
-    """How many of the newest checkpoints to keep. Resuming skips one that fails its
+    """How many of the newest checkpoints to keep (0: all). Resuming skips one that fails its
     manifest check (a crash or disk error), so with 2 or more a damaged newest one falls
     back to the previous."""
     resume: bool = True
