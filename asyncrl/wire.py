@@ -88,6 +88,10 @@ class Lease(Message):
     prefix_mask: list[int] = []
     """Episodes: 1 for each prefix token the model generated, 0 for the environment's
     (observations); empty means all 1. An episode's prefix always ends at a turn's end."""
+    min_version: int = -1
+    """The oldest weights its tokens may come from: the trainer's version less η when it
+    was issued (-1: no bound). A generator with older weights holds it until newer ones
+    are in, since tokens sampled before would make the sample too stale to train."""
 
 
 class LeaseGrant(Message):

@@ -63,6 +63,18 @@ class _Log(list):
         super().append(frame(event))
 
 
+@pytest.mark.parametrize(("eta", "expected"), [(None, [-1, -1]), (0, [5, 7]), (2, [3, 5])])
+def test_a_lease_names_the_oldest_weights_it_may_start_under(eta, expected):
+    """The trainer's version less η at the issue: older tokens would be too stale."""
+    cfg = BufferConfig(prompts_per_batch=1, samples_per_prompt=1, max_staleness=eta)
+    buffer = RolloutBuffer(cfg, "run", _prompts, SamplingSpec(max_new_tokens=64))
+    journal, got = Journal(buffer), []
+    for version in (5, 7):
+        journal.version(version)
+        got += [lease.min_version for lease in journal.lease("g0", 1, 0.0)]
+    assert got == expected
+
+
 def test_a_slow_but_alive_holder_keeps_its_lease():
     """30 minutes of heartbeats every 5 s and a chunk every 240 s (the first after 250 s
     in its engine's queue): far past any fixed lease timeout of a few minutes, and past
@@ -347,3 +359,62 @@ def test_a_generator_aborts_a_lease_taken_back_for_no_progress(tmp_path):
     assert group.slots[0].token_ids == [16, 15, 14, 13, 12, 11]
     counts = server.buffer.state.counts
     assert counts["leases_revoked_no_progress"] == 1 and counts["tokens_revoked_alive"] == 0
+
+
+class _WeightsLateEngine(_StuckFirstEngine):
+    """A fake engine at weights version 0 that flips, at its next step, to whatever the
+    test stages; records the version each request was submitted under."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.version, self.staged = 0, -1
+        self.versions_at_submit: list[int] = []
+
+    def submit(self, request: Request) -> None:
+        self.versions_at_submit.append(self.version)
+        self.submitted.append(request)
+        self.running[request.request_id] = [request.params.max_new_tokens, -1]
+
+    def step(self) -> StepOutput:
+        if self.staged >= 0:
+            self.version, self.staged = self.staged, -1
+        out = super().step()
+        tokens = [
+            GeneratedToken(t.request_id, t.token_id, t.logprob, self.version) for t in out.tokens
+        ]
+        return StepOutput(tokens, out.finished, self.version)
+
+    def status(self) -> EngineStatus:
+        n = len(self.running)
+        return EngineStatus(n, 0, 2 - n, self.version, self.staged, 0, None)
+
+
+def test_a_generator_holds_a_lease_until_weights_of_its_min_version_are_in(tmp_path):
+    """At η = 0 and trainer version 1 a lease needs version-1 weights: a generator still
+    at version 0 holds it (samples begun then would be dropped as stale) and starts it
+    once version 1 is staged, flipping it in with a step of its idle engine."""
+    cfg = _config(tmp_path)  # max_staleness=0
+    buffer = RolloutBuffer(cfg.buffer, cfg.run_id, _prompts, cfg.sampling.spec())
+    buffer.batches.set_version(1)
+    server = BufferServer(cfg, buffer, InlineScoring(lambda *_: 1.0))
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    engine = _WeightsLateEngine()
+    worker = GeneratorWorker(cfg, "g0", engine)
+    generating = threading.Thread(target=worker.run, daemon=True)
+    generating.start()
+    try:
+        _wait(lambda: len(worker.held) == 2, 30, "two leases granted and held")
+        time.sleep(0.5)
+        assert engine.submitted == [] and len(worker.held) == 2
+        engine.staged = 1
+        _wait(lambda: len(server.buffer.state.ready) == 2, 60, "both samples to complete")
+    finally:
+        worker.stop()
+        generating.join(timeout=30)
+        server.stop()
+        thread.join(timeout=30)
+    assert worker.held == []
+    assert engine.versions_at_submit == [1, 1]
+    for group in server.buffer.state.groups.values():
+        assert group.slots[0].versions == [1] * 6

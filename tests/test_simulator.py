@@ -67,19 +67,22 @@ def mean_staleness(histogram: dict[str, int]) -> float:
 
 
 def test_eta0_consumes_only_fresh_samples_and_generators_idle_while_training():
-    # The weights reach the generator 20 ms after the buffer opens the next batch: the first
-    # samples of each version are decoded with the old weights and must be dropped, never used.
+    # The weights reach the generator 20 ms after the buffer opens the next batch: the
+    # generator holds that batch's leases until they are in, so nothing is decoded with
+    # the old weights and nothing is dropped as stale.
     cfg = small_config(max_staleness=0)
     out = simulate(small_params(weight_sync_s=0.02), cfg)
     assert out["steps"] > 20
     assert set(out["staleness_histogram"]) == {"0"}
-    assert out["counts"]["groups_stale"] > 0  # the drop path was exercised
+    assert out["counts"].get("groups_stale", 0) == 0
     phases = out["trainer_phase_s_per_step"]
     train_share = (
         (phases["prep"] + phases["train"] + phases["publish"]) * out["steps"] / out["sim_time_s"]
     )
     assert 0.3 < train_share < 0.9
-    assert out["generator_idle_fraction"] == pytest.approx(train_share, abs=0.03)
+    # The generator idles while the trainer trains and then until the weights are in.
+    weights_share = 0.02 * out["steps"] / out["sim_time_s"]
+    assert out["generator_idle_fraction"] == pytest.approx(train_share + weights_share, abs=0.03)
     # … and the trainer idles while the generator works: the two shares add up to ~1.
     assert out["trainer_idle_fraction"] + train_share == pytest.approx(1.0, abs=0.03)
 

@@ -73,6 +73,7 @@ class GeneratorWorker:
         self.dealer.connect(endpoints["leases"])
         self.decoder = WireDecoder(cfg.run_id)
         self.pending: dict[str, PendingLease] = {}
+        self.held: list[Lease] = []  # granted, waiting for weights of their min_version
         self.asked = 0.0  # when the unanswered LeaseRequest went out (0: none is out)
         self.stop_event = threading.Event()
         self.tokens_sent = 0
@@ -100,6 +101,7 @@ class GeneratorWorker:
             while not self.stop_event.is_set():
                 self._ask_for_leases()
                 self._take_leases(block_ms=0 if self._busy() else self._idle_ms())
+                self._start_held()
                 if self.episodes is not None:
                     self.episodes.poll(time.time())
                 stepped = self._busy()
@@ -132,12 +134,14 @@ class GeneratorWorker:
         return status.running + status.waiting > 0
 
     def _idle_ms(self) -> int:
-        # An environment at work answers soon: its next turn should not wait for a poll.
-        return 2 if self.episodes is not None and self.episodes.between_turns() else 50
+        # An environment at work answers soon: its next turn should not wait for a poll;
+        # nor should leases held for weights that are on their way.
+        soon = self.held or (self.episodes is not None and self.episodes.between_turns())
+        return 2 if soon else 50
 
     def _ask_for_leases(self) -> None:
         status = self.engine.status()
-        free = status.free_slots - status.waiting
+        free = status.free_slots - status.waiting - len(self.held)
         if self.episodes is not None:  # their next turns will need the slots
             free -= self.episodes.between_turns()
         # Asked again after a while without an answer: a buffer that died and restarted
@@ -163,11 +167,28 @@ class GeneratorWorker:
                 continue
             self.asked = 0.0  # answered (a bad frame too: it was likely the grant)
             if isinstance(msg, LeaseGrant):
-                now = time.time()
-                for lease in msg.leases:
-                    self._submit(lease, now)
+                self.held.extend(msg.leases)
             elif msg is not None:
                 self.decoder.count("unexpected", f"{type(msg).__name__} on the leases socket")
+
+    def _start_held(self) -> None:
+        """Start the leases granted so far whose ``min_version`` the engine's weights meet.
+        The others wait for newer weights: at η = 0 a grant for the next version often
+        arrives before its weights, and a sample begun under the old ones would only be
+        dropped as stale."""
+        if not self.held:
+            return
+        status = self.engine.status()
+        behind = any(lease.min_version > status.version for lease in self.held)
+        if behind and status.staged_version >= 0 and status.running + status.waiting == 0:
+            self._step()  # an idle engine flips staged weights only in a step
+            status = self.engine.status()
+        now, held, self.held = time.time(), self.held, []
+        for lease in held:
+            if lease.min_version <= status.version:
+                self._submit(lease, now)
+            else:
+                self.held.append(lease)
 
     def _submit(self, lease: Lease, now: float) -> None:
         if self.episodes is not None:
@@ -188,6 +209,9 @@ class GeneratorWorker:
     def _abort(self, lease_ids: list[str]) -> None:
         """Stop generating for leases the buffer took back; their unsent tokens are dropped
         (the buffer would drop them too: the next holder continues from what it has)."""
+        taken, waiting = set(lease_ids), len(self.held)
+        self.held = [lease for lease in self.held if lease.lease_id not in taken]
+        self.leases_aborted += waiting - len(self.held)
         for lease_id in lease_ids:
             held = self.pending.pop(lease_id, None) is not None  # else finished meanwhile
             if held:

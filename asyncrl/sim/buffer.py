@@ -40,6 +40,8 @@ class SimSample:
     """Completion tokens it will generate."""
     first_version: int = -1
     """Version of its first (hence oldest) token; -1 until generated."""
+    min_version: int = -1
+    """``Lease.min_version``: a generator with older weights holds it until newer are in."""
 
 
 @dataclass(eq=False)
@@ -80,6 +82,9 @@ class SimBuffer:
             if not self.to_lease and not self._admit():
                 break
             out.append(self.to_lease.popleft())
+        if self.cfg.max_staleness is not None:
+            for sample in out:
+                sample.min_version = self.version - self.cfg.max_staleness
         self.counts["leases_issued"] += len(out)
         return out
 

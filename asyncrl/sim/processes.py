@@ -6,9 +6,10 @@ break by insertion order, so a run is a pure function of its config, params and 
 
 - ``Generator`` mirrors ``GeneratorWorker.run``: each loop turn asks for leases when it has
   free slots and no request out, takes a grant that has arrived, and steps the engine when
-  it has work; with none it idles until a grant arrives. An engine step first flips to
-  the newest staged weights (re-prefilling the running batch under ``recompute``), admits
-  waiting requests up to the free slots and the prefill budget, and gives every running
+  it has work; with none it idles until a grant arrives, or the weights a held lease
+  needs (``min_version``). An engine step first flips to the newest staged weights
+  (re-prefilling the running batch under ``recompute``), admits waiting requests whose
+  weights are in, up to the free slots and the prefill budget, and gives every running
   sequence one token of the current version. Step time = (fixed + per sequence · b +
   per prompt token prefilled + flip cost) / thread speed-up · contention.
 - ``BufferServer`` parks lease requests until the gate admits something, and the trainer's
@@ -124,19 +125,33 @@ class Generator:
             if self.inbox is not None:
                 self.waiting.extend(self.inbox)
                 self.inbox, self.asked = None, False
-        if self.running or self.waiting:
+        if self.running or (self.waiting and self.waiting[0].min_version <= self._next_version()):
             self._step()
         else:
-            self.idle = True  # a grant wakes it
+            self.idle = True  # a grant wakes it, or weights its held leases wait for
+            now = self.sim.loop.now
+            coming = [at for at, _ in self.staged if at > now]
+            if self.waiting and coming:
+                self.sim.loop.after(min(coming) - now, self._wake)
 
     def deliver(self, leases: list[SimSample]) -> None:
         self.inbox = leases
+        self._wake()
+
+    def _wake(self) -> None:
         if self.idle:
             self.idle = False
             self.turn()
 
     def offer_weights(self, ready_at: float, version: int) -> None:
         self.staged.append((ready_at, version))
+        if self.idle and self.waiting:
+            self.sim.loop.after(ready_at - self.sim.loop.now, self._wake)
+
+    def _next_version(self) -> int:
+        """The weights the next step runs under: the newest staged by now, flipped in."""
+        now = self.sim.loop.now
+        return max([self.version] + [v for at, v in self.staged if at <= now])
 
     # ---- the engine ----------------------------------------------------------------
     def _step(self) -> None:
@@ -169,6 +184,8 @@ class Generator:
         """Waiting requests into free slots, within the prefill budget (at least one)."""
         admitted, budget = [], self.cfg.max_prefill_tokens * self.replicas
         while self.waiting and self.running + len(admitted) < self.slots:
+            if self.waiting[0].min_version > self.version:
+                break  # held for newer weights, as ``GeneratorWorker`` holds its lease
             prompt = self.waiting[0].group.prompt_len
             if admitted and prompt > budget:
                 break
