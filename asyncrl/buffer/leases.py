@@ -226,7 +226,6 @@ class LeaseTable:
         self.progress_at[slot.lease_id] = now
         st.counts["leases_issued"] += 1
         continued = 0 in slot.loss_mask  # an episode with a whole turn and its answer
-        eta = self.cfg.max_staleness
         if continued:
             st.counts["episodes_continued"] += 1
         return Lease(
@@ -241,7 +240,7 @@ class LeaseTable:
             prefix_logprobs=list(slot.logprobs),
             prefix_versions=list(slot.versions),
             prefix_mask=list(slot.loss_mask) if continued else [],
-            min_version=-1 if eta is None else max(-1, st.version - eta),
+            min_version=self.groups.gate.min_version(st.version),
         )
 
     def _sampling(self, group_id: int, index: int) -> SamplingSpec:

@@ -33,6 +33,11 @@ class StalenessGate:
             return 1 << 62
         return max(0, (version + self.max_staleness + 1) * self.prompts_per_batch - prompts_counted)
 
+    def min_version(self, version: int) -> int:
+        """The oldest weights a sample leased at ``version`` may start under: tokens from
+        older ones would be too stale when trained (-1: no bound)."""
+        return -1 if self.max_staleness is None else max(-1, version - self.max_staleness)
+
     def is_stale(self, consume_step: int, oldest_version: int) -> bool:
         """A trajectory whose oldest token is ``oldest_version`` is too old at this step."""
         return self.max_staleness is not None and consume_step - oldest_version > self.max_staleness

@@ -82,9 +82,8 @@ class SimBuffer:
             if not self.to_lease and not self._admit():
                 break
             out.append(self.to_lease.popleft())
-        if self.cfg.max_staleness is not None:
-            for sample in out:
-                sample.min_version = self.version - self.cfg.max_staleness
+        for sample in out:
+            sample.min_version = self.gate.min_version(self.version)
         self.counts["leases_issued"] += len(out)
         return out
 
