@@ -102,8 +102,10 @@ def check_generator_metrics(run_dir: Path) -> None:
     assert (run_dir / "tb" / "generator_g0").is_dir()
     summary = json.loads((run_dir / "generator_g0_summary.json").read_text())
     assert summary["weights_received"] >= 2 and summary["version"] >= 2
-    # Every flip happens inside an engine step, so at least one step per flipped version.
-    assert summary["update_steps"] >= 2 and summary["steps"] > summary["update_steps"]
+    # Every flip happens inside an engine step, so at least one update step per flipped
+    # version; a version superseded before it was staged is received but never flipped.
+    assert summary["update_steps"] >= summary["weights_flipped"] >= 1
+    assert summary["steps"] > summary["update_steps"]
     assert 0 < summary["steady_step_ms_p50"] <= summary["steady_step_ms_p99"]
     assert 0 < summary["update_step_ms_p50"] <= summary["update_step_ms_p99"]
     # Means over different sets (a version superseded before its flip is staged, never

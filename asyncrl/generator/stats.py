@@ -174,6 +174,9 @@ class _Totals:
         if self.stage_s:
             out["weight_stage_s"] = sum(self.stage_s) / len(self.stage_s)
         if self.flip_s:
+            # Versions flipped in, each inside one engine step (an update step); versions
+            # superseded before they were staged are received but never flipped.
+            out["weights_flipped"] = float(len(self.flip_s))
             out["weight_flip_s"] = sum(self.flip_s) / len(self.flip_s)
             out["weight_flip_s_max"] = max(self.flip_s)
         if sees_slots and self.slot_s > 0:
