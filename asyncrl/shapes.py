@@ -1,7 +1,7 @@
 """Real model shapes as data, and random-init models built in them, offline.
 
-``SHAPES`` writes down the architecture of Qwen2.5-0.5B, Qwen3-0.6B and Llama-3.2-1B
-(from their config.json files); ``hf_config`` turns one into a transformers config,
+``SHAPES`` writes down the architecture of Qwen2.5-0.5B, Qwen3-0.6B, Llama-3.2-1B and
+SmolLM2-135M (from their config.json files); ``hf_config`` turns one into a transformers config,
 optionally shallower or with a shorter context. ``build_shaped_model`` writes a
 random-init Hugging Face directory of a shape with its family's tokenizer
 (``asyncrl.chat_tokenizers``), which ``asyncrl.models.load_model`` and ``load_tokenizer``
@@ -71,7 +71,7 @@ class ModelShape:
     params: int
     """Total parameters with the tied embedding counted once (the test checks it)."""
     tie_word_embeddings: bool = True
-    """The LM head reuses the input embedding (true of all three)."""
+    """The LM head reuses the input embedding (true of all four)."""
     rope_scaling: dict[str, Any] | None = None
     """Llama-3's long-context frequency scaling; None for plain RoPE."""
 
@@ -133,6 +133,26 @@ SHAPES: dict[str, ModelShape] = {
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192,
         },
+    ),
+    # The ~100M benchmark model: its embedding is a fifth of its parameters (the Qwen
+    # shapes cut to a few layers are mostly embedding, which sharding barely divides).
+    # SmolLM2 ships its own ChatML tokenizer (specials at ids 0-2); the Qwen family's,
+    # ChatML too, stands in for it.
+    "smollm2-135m": ModelShape(
+        name="smollm2-135m",
+        model_type="llama",
+        family="qwen",
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        rope_theta=100_000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+        params=134_515_008,
     ),
 }
 

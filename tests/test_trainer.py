@@ -124,3 +124,8 @@ def test_fsdp_two_ranks_equal_one_rank(tiny_model_dir, tmp_path):
             torch.testing.assert_close(
                 other["state"][name], one["state"][name], atol=5e-5, rtol=0, msg=name
             )
+    # One rank's shard is its whole gradient: the default (sync every micro-batch) and
+    # one reduce-scatter a step sum the same gradients in the same order, bit for bit.
+    one_synced = run_ranks(1, tiny_model_dir, tmp_path, sync=True)
+    assert one_synced["losses"] == one["losses"]
+    assert all(torch.equal(one_synced["state"][k], one["state"][k]) for k in one["state"])

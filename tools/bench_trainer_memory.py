@@ -39,6 +39,12 @@ Ends with one JSON line:
      "peak_gb_1rank_kl", "peak_gb_2ranks_kl_max", "ratio_kl",
      "last_step_s_1rank", "last_step_s_2ranks_max", ...}
 
+The default model is SmolLM2-135M's exact shape, ~100M parameters of which the tied
+embedding is a fifth; build it once with ``tools/make_model.py --shape smollm2-135m --dtype
+float32 --out runs/models/smollm2-135m``. (Qwen2.5-0.5B cut to a few layers is mostly its
+embedding, which every rank gathers whole in the root unit: sharding barely divides it.)
+``--reduce-every-micro-batch`` and ``--mmap-threshold`` default to the trainer's defaults.
+
 Run: ``.venv/bin/python tools/bench_trainer_memory.py`` (``--old-loading`` for the old path).
 """
 
@@ -169,7 +175,11 @@ def run_ranks(args: argparse.Namespace, world: int, kl: bool, tmp: Path) -> list
         cmd += ["--micro-batch-tokens", str(args.micro_batch_tokens)]
         cmd += ["--row-tokens", str(args.row_tokens)]
         cmd += ["--kl"] * kl + ["--old-loading"] * args.old_loading
-        cmd += ["--reduce-every-micro-batch"] * args.reduce_every_micro_batch
+        cmd += [
+            "--reduce-every-micro-batch"
+            if args.reduce_every_micro_batch
+            else "--no-reduce-every-micro-batch"
+        ]
         cmd += ["--mmap-threshold", str(args.mmap_threshold)]
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
         env.pop("MASTER_ADDR", None)
@@ -208,7 +218,7 @@ def summary(runs: dict[str, list[dict]]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="runs/models/qwen2.5-0.5b-2l")
+    p.add_argument("--model", default="runs/models/smollm2-135m")
     p.add_argument("--steps", type=int, default=2, help="optimizer steps per configuration")
     p.add_argument("--sequences", type=int, default=4, help="sequences in the global batch")
     p.add_argument("--micro-batch-tokens", type=int, default=256)
@@ -220,12 +230,13 @@ def main() -> None:
     p.add_argument(
         "--mmap-threshold",
         type=int,
-        default=0,
+        default=TrainerConfig.malloc_mmap_threshold,
         help="trainer.malloc_mmap_threshold (bytes) in every rank, e.g. 131072; 0: glibc's",
     )
     p.add_argument(
         "--reduce-every-micro-batch",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=TrainerConfig.reduce_every_micro_batch,
         help="trainer.reduce_every_micro_batch: gradient shards, not whole, between micro-batches",
     )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
