@@ -1,8 +1,8 @@
 """Real model shapes as data, and random-init models built in them, offline.
 
 ``SHAPES`` writes down the architecture of Qwen2.5-0.5B, Qwen3-0.6B, Llama-3.2-1B and
-SmolLM2-135M (from their config.json files); ``hf_config`` turns one into a transformers config,
-optionally shallower or with a shorter context. ``build_shaped_model`` writes a
+SmolLM2-135M (from their config.json files); ``hf_config`` turns one into a transformers
+config, optionally shallower or with a shorter context. ``build_shaped_model`` writes a
 random-init Hugging Face directory of a shape with its family's tokenizer
 (``asyncrl.chat_tokenizers``), which ``asyncrl.models.load_model`` and ``load_tokenizer``
 read like a downloaded checkpoint.

@@ -10,6 +10,7 @@ with a ``GeneratorWorker`` over a fake engine that gets stuck on its first reque
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import threading
 import time
@@ -241,12 +242,30 @@ def _config(tmp_path) -> RolloutConfig:
     )
 
 
-def _serve(cfg: RolloutConfig) -> tuple[BufferServer, threading.Thread]:
+def _serve(cfg: RolloutConfig, version: int = 0) -> tuple[BufferServer, threading.Thread]:
+    """A buffer server on its own thread, its trainer at ``version``."""
     buffer = RolloutBuffer(cfg.buffer, cfg.run_id, _prompts, cfg.sampling.spec())
+    buffer.batches.set_version(version)
     server = BufferServer(cfg, buffer, InlineScoring(lambda *_: 1.0))
     thread = threading.Thread(target=server.serve, daemon=True)
     thread.start()
     return server, thread
+
+
+@contextlib.contextmanager
+def _generating(cfg: RolloutConfig, engine, version: int = 0):
+    """A buffer server and a real generator loop over ``engine``, both stopped after."""
+    server, thread = _serve(cfg, version)
+    worker = GeneratorWorker(cfg, "g0", engine)
+    generating = threading.Thread(target=worker.run, daemon=True)
+    generating.start()
+    try:
+        yield server, worker
+    finally:
+        worker.stop()
+        generating.join(timeout=30)
+        server.stop()
+        thread.join(timeout=30)
 
 
 def _wait(condition, timeout_s: float, what: str) -> None:
@@ -338,19 +357,9 @@ def test_a_generator_aborts_a_lease_taken_back_for_no_progress(tmp_path):
     tokens: the buffer takes the lease back after ``progress_timeout_s``, the generator
     aborts the request in its engine and drops it, and gets the sample again with those
     two tokens as its prefix; the sample completes with nothing wasted."""
-    cfg = _config(tmp_path)
-    server, thread = _serve(cfg)
     engine = _StuckFirstEngine()
-    worker = GeneratorWorker(cfg, "g0", engine)
-    generating = threading.Thread(target=worker.run, daemon=True)
-    generating.start()
-    try:
+    with _generating(_config(tmp_path), engine) as (server, worker):
         _wait(lambda: len(server.buffer.state.ready) == 1, 60, "the sample to complete")
-    finally:
-        worker.stop()
-        generating.join(timeout=30)
-        server.stop()
-        thread.join(timeout=30)
     first, second = engine.submitted
     assert engine.aborted == [first.request_id] and worker.leases_aborted == 1
     assert not worker.pending
@@ -393,27 +402,13 @@ def test_a_generator_holds_a_lease_until_weights_of_its_min_version_are_in(tmp_p
     """At η = 0 and trainer version 1 a lease needs version-1 weights: a generator still
     at version 0 holds it (samples begun then would be dropped as stale) and starts it
     once version 1 is staged, flipping it in with a step of its idle engine."""
-    cfg = _config(tmp_path)  # max_staleness=0
-    buffer = RolloutBuffer(cfg.buffer, cfg.run_id, _prompts, cfg.sampling.spec())
-    buffer.batches.set_version(1)
-    server = BufferServer(cfg, buffer, InlineScoring(lambda *_: 1.0))
-    thread = threading.Thread(target=server.serve, daemon=True)
-    thread.start()
     engine = _WeightsLateEngine()
-    worker = GeneratorWorker(cfg, "g0", engine)
-    generating = threading.Thread(target=worker.run, daemon=True)
-    generating.start()
-    try:
+    with _generating(_config(tmp_path), engine, version=1) as (server, worker):  # η = 0
         _wait(lambda: len(worker.held) == 2, 30, "two leases granted and held")
         time.sleep(0.5)
         assert engine.submitted == [] and len(worker.held) == 2
         engine.staged = 1
         _wait(lambda: len(server.buffer.state.ready) == 2, 60, "both samples to complete")
-    finally:
-        worker.stop()
-        generating.join(timeout=30)
-        server.stop()
-        thread.join(timeout=30)
     assert worker.held == []
     assert engine.versions_at_submit == [1, 1]
     for group in server.buffer.state.groups.values():

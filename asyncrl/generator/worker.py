@@ -213,13 +213,13 @@ class GeneratorWorker:
         self.held = [lease for lease in self.held if lease.lease_id not in taken]
         self.leases_aborted += waiting - len(self.held)
         for lease_id in lease_ids:
-            held = self.pending.pop(lease_id, None) is not None  # else finished meanwhile
-            if held:
+            running = self.pending.pop(lease_id, None) is not None  # else finished meanwhile
+            if running:
                 self.engine.abort(lease_id)
             if self.episodes is not None and lease_id in self.episodes:
                 self.episodes.abort(lease_id)  # between turns it holds no request
-                held = True
-            self.leases_aborted += held
+                running = True
+            self.leases_aborted += running
 
     # ---- decoding ------------------------------------------------------------------
     def _step(self) -> None:
