@@ -37,10 +37,12 @@ class BatchSource(Protocol):
         timeout_s: float = 600.0,
         on_wait: Callable[[], None] | None = None,
         wait_tick_s: float = 10.0,
-    ) -> Batch:
+        deadline: float | None = None,
+    ) -> Batch | None:
         """Block until this rank's share of ``step``'s batch is there (whole groups, none
         staler than ``max_staleness``) and return it; ``on_wait`` runs every
-        ``wait_tick_s`` seconds spent waiting; ``TimeoutError`` after ``timeout_s``."""
+        ``wait_tick_s`` seconds spent waiting; ``TimeoutError`` after ``timeout_s``; None
+        once ``deadline`` (Unix time: the stage's time limit) passes without it."""
         ...
 
     def announce_version(self, version: int, resumed: bool = False) -> None:

@@ -37,6 +37,8 @@ Reads what the processes leave in RUN_DIR: ``metrics.jsonl`` (trainer steps with
                                          over every generator's closed versions, and per one
     tail_fraction                        tail seconds / those versions' generation seconds
                                          (a batch's, under max_staleness 0; per generator)
+    server_restarts                      remote engines' launched servers started again after
+                                         they died or stopped answering
     trained_mean_length, finished_        mean completion length of the samples trained on and
     mean_length, trained_vs_finished_     of all that finished, and their ratio (1: no length
     length                                bias from staleness handling or filters)
@@ -132,6 +134,8 @@ def generator_figures(records: list[dict], run_dir: Path) -> dict[str, dict[str,
             "step_ms_p99_steady_matched": summary.get("steady_step_ms_p99_matched"),
             "steps": summary.get("steps"),
             "weight_flip_s_mean": summary.get("weight_flip_s"),
+            # A remote engine's servers launched again after they died (0 for others).
+            "server_restarts": (summary.get("engine") or {}).get("engine/server_restarts", 0),
         }
     return figures
 
@@ -152,6 +156,7 @@ def generator_totals(gens: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "tail_s_total": tail_s if batches else None,
         "tail_s_mean": _ratio(tail_s, batches),
         "tail_fraction": _ratio(tail_s, total.get("batch_gen_s")) if batches else None,
+        "server_restarts": sum(g["server_restarts"] for g in gens.values()),
     }
 
 

@@ -1,8 +1,10 @@
 """Real model shapes as data, and random-init models built in them, offline.
 
 ``SHAPES`` writes down the architecture of Qwen2.5-0.5B, Qwen3-0.6B, Llama-3.2-1B and
-SmolLM2-135M (from their config.json files); ``hf_config`` turns one into a transformers
-config, optionally shallower or with a shorter context. ``build_shaped_model`` writes a
+SmolLM2-135M (tied LM heads), Qwen2.5-7B and Llama-3.1-8B (untied), from their config.json
+files; ``hf_config`` turns one into a transformers config, optionally shallower or with a
+shorter context, and ``miniature`` shrinks one to test size, keeping what weight paths
+depend on (architecture, tying, head layout). ``build_shaped_model`` writes a
 random-init Hugging Face directory of a shape with its family's tokenizer
 (``asyncrl.chat_tokenizers``), which ``asyncrl.models.load_model`` and ``load_tokenizer``
 read like a downloaded checkpoint.
@@ -17,6 +19,7 @@ rows, 151665 tokens). A random-init model samples those rows too; they decode to
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -61,7 +64,7 @@ class ModelShape:
     head_dim: int
     """Per-head width; Qwen3 sets it apart from hidden_size / num_heads."""
     vocab_size: int
-    """Embedding rows (tied with the LM head); more than the real tokenizer's tokens."""
+    """Embedding rows (and LM head rows); more than the real tokenizer's tokens."""
     rope_theta: float
     """RoPE base frequency."""
     rms_norm_eps: float
@@ -69,9 +72,10 @@ class ModelShape:
     max_position_embeddings: int
     """Longest context the released config declares."""
     params: int
-    """Total parameters with the tied embedding counted once (the test checks it)."""
+    """Total parameters, a tied embedding counted once (the test checks it)."""
     tie_word_embeddings: bool = True
-    """The LM head reuses the input embedding (true of all four)."""
+    """The LM head reuses the input embedding (the small releases); the 7-8B ones have
+    a head of their own, which every weight path must carry as a tensor apart."""
     rope_scaling: dict[str, Any] | None = None
     """Llama-3's long-context frequency scaling; None for plain RoPE."""
 
@@ -154,7 +158,73 @@ SHAPES: dict[str, ModelShape] = {
         max_position_embeddings=8192,
         params=134_515_008,
     ),
+    # The two untied shapes: their LM head is a tensor of its own on every weight path.
+    "qwen2.5-7b": ModelShape(
+        name="qwen2.5-7b",
+        model_type="qwen2",
+        family="qwen",
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_layers=28,
+        num_heads=28,
+        num_kv_heads=4,
+        head_dim=128,
+        vocab_size=152064,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32768,
+        params=7_615_616_512,
+        tie_word_embeddings=False,
+    ),
+    "llama3.1-8b": ModelShape(
+        name="llama3.1-8b",
+        model_type="llama",
+        family="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        rope_theta=500_000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
+        params=8_030_261_248,
+        tie_word_embeddings=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
 }
+
+
+def miniature(shape: ModelShape, hidden_size: int = 64, head_dim: int = 32) -> ModelShape:
+    """``shape`` at test size: its architecture, tokenizer family, tying and head layout
+    (query heads per key/value head) kept; two heads of ``head_dim`` per group at most,
+    two layers. ``head_dim`` 32 is the smallest vLLM's CPU attention serves."""
+    group = min(shape.num_heads // shape.num_kv_heads, 2)
+    return dataclasses.replace(
+        shape,
+        name=f"{shape.name}-mini",
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_layers=2,
+        num_heads=group,
+        num_kv_heads=1,
+        head_dim=head_dim,
+        max_position_embeddings=512,
+        params=0,
+        rope_scaling=shape.rope_scaling
+        and {
+            **shape.rope_scaling,
+            "original_max_position_embeddings": 256,
+        },
+    )
 
 
 def hf_config(

@@ -109,6 +109,7 @@ def run_stage(
         stop=stop,
         before_restart=lambda group: clear_trainer_rendezvous(stage.run_dir, group),
         stall_s=stall_s,
+        time_limit_s=stage.cfg.time_limit_s,
     )
     if stop.is_set():
         print("\n[launch] interrupted; stopped every process", file=sys.stderr)

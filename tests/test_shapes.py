@@ -44,7 +44,8 @@ def test_real_shapes_have_the_released_parameter_counts(name):
     # Qwen2: bias on q/k/v; Qwen3: none, but per-head q/k norms; Llama: neither.
     assert (attention.q_proj.bias is not None) == (shape.model_type == "qwen2")
     assert hasattr(attention, "q_norm") == (shape.model_type == "qwen3")
-    assert model.lm_head.weight is model.model.embed_tokens.weight
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    assert tied == shape.tie_word_embeddings
 
 
 def test_depth_and_context_overrides_change_only_those():

@@ -4,9 +4,12 @@
 #
 #   OUT=runs/gpu_check bash tools/gpu_check.sh
 #
-# 1. installs asyncrl's other dependencies from ./wheels when that folder exists (make it
-#    on a connected machine of the same Python with
-#    `pip download -d wheels msgspec pyzmq aiohttp reasoning-gym tqdm hypothesis pytest`);
+# 1. installs asyncrl's other dependencies from ./wheels when that folder exists. Make it
+#    on a connected machine with the GPU machine's Python (3.12 there) and carry it:
+#      python3.12 -m venv /tmp/w && /tmp/w/bin/pip wheel -w wheels $DEPS && rm wheels/numpy-*
+#    (`pip wheel`, not `pip download --only-binary`: reasoning-gym needs pycosat, cellpylib
+#    and zss, published as sources only, built here into wheels for that Python; numpy is
+#    there already). About 49 MB, under the 64 MiB a device run carries;
 # 2. runs tools/gpu_check.py: a ~0.47B model, bf16 FSDP2 steps on CUDA over NCCL (with
 #    activation checkpointing and CPU offload), the trainer's weights published into the
 #    CUDA engine mid-decode, the engine's bf16 decoding, an NCCL broadcast (two GPUs),
@@ -17,13 +20,13 @@ set -uo pipefail
 OUT=${OUT:-runs/gpu_check}
 PY=${PYTHON:-python3}  # an interpreter with torch (CUDA build) and transformers
 BUDGET_S=${BUDGET_S:-500}  # the parts; with pip and the margins, under ten minutes
+DEPS="msgspec pyzmq aiohttp reasoning-gym tqdm hypothesis pytest math-verify"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 if [ -d wheels ]; then
     echo "[gpu_check] installing dependencies from ./wheels" >&2
-    timeout 60 $PY -m pip install -q --no-index --find-links wheels msgspec pyzmq aiohttp reasoning-gym \
-        tqdm hypothesis pytest > "$OUT/pip.txt" 2>&1 \
+    timeout 120 $PY -m pip install -q --no-index --find-links wheels $DEPS > "$OUT/pip.txt" 2>&1 \
         || echo "[gpu_check] pip install failed (see $OUT/pip.txt)" >&2
 fi
 # The budget covers the parts; the margin covers starting Python and writing the figures.

@@ -4,6 +4,7 @@ it is the ``asyncrl.interfaces.BatchSource`` of the asynchronous placement."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -18,6 +19,11 @@ from asyncrl.wire import (
     WireDecoder,
     encode,
 )
+
+log = logging.getLogger(__name__)
+
+WAIT_LOG_S = 60.0
+"""A trainer rank waiting this long for a batch says so, and again as often."""
 
 
 class BufferClient:
@@ -42,23 +48,42 @@ class BufferClient:
         timeout_s: float = 600.0,
         on_wait: Callable[[], None] | None = None,
         wait_tick_s: float = 10.0,
-    ) -> Batch:
-        """Block until the buffer hands over this rank's share of ``step``'s batch.
+        deadline: float | None = None,
+    ) -> Batch | None:
+        """Block until the buffer hands over this rank's share of ``step``'s batch; None
+        once ``deadline`` (Unix time) passes first.
 
         ``on_wait`` runs every ``wait_tick_s`` without a batch: rank 0 republishes its
         weights there, since a generator that (re)joined after the last publish would
-        otherwise decode forever with weights too stale for the buffer to accept.
+        otherwise decode forever with weights too stale for the buffer to accept. A wait
+        is logged every ``WAIT_LOG_S``: a step that never comes is said, not silent.
         """
         request = encode(
             BatchRequest(run_id=self.run_id, step=step, rank=self.rank, world_size=world_size)
         )
         self.sock.send(request)
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        give_up, logged = start + timeout_s, start
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
+            now = time.monotonic()
+            if now >= give_up:
                 raise TimeoutError(f"no batch for step {step} after {timeout_s:.0f} s")
-            if not self.sock.poll(int(min(left, wait_tick_s) * 1000)):
+            if deadline is not None and time.time() >= deadline:
+                log.warning(
+                    "step %d: the time limit passed waiting %.0f s for its batch", step, now - start
+                )
+                return None
+            if now - logged >= WAIT_LOG_S:
+                log.warning(
+                    "step %d: no batch after %.0f s (the generators' logs say why)",
+                    step,
+                    now - start,
+                )
+                logged = now
+            tick = min(give_up - now, wait_tick_s)
+            if deadline is not None:
+                tick = min(tick, max(deadline - time.time(), 0.01))
+            if not self.sock.poll(int(tick * 1000)):
                 if on_wait is not None:
                     on_wait()
                 # Ask again: a buffer that died and restarted never saw the request. Asking

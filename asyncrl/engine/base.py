@@ -92,6 +92,14 @@ class PushFailed(RuntimeError):
         self.touched = touched
 
 
+class ServerFailed(RuntimeError):
+    """An inference server the engine depends on failed in a way a restart of the generator
+    cannot repair: it stopped answering and cannot be brought back (an attached one past
+    ``engine.remote.dead_after_s``, a launched one that will not start), or it answers
+    what the client cannot read. The message names its URL. A generator exits with
+    ``EXIT_FATAL`` on it, and the run stops."""
+
+
 class WeightsPush(Protocol):
     """Weights the trainer sends into one server itself, when asked: vLLM's weight transfer
     (``asyncrl.trainer.publish_vllm``). Remote engines with vLLM servers only."""

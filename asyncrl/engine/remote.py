@@ -7,12 +7,13 @@ The generator drives it through the same ``Engine`` protocol (``asyncrl.interfac
 the embedded engine. What differs between servers is one ``ServerApi`` object
 (``asyncrl.engine.server_api``: sglang's; ``asyncrl.engine.vllm_client``: vLLM's).
 
-- **Requests.** Each attempt of a request goes to the server with the fewest requests in
-  flight (at most ``max_inflight`` each; the rest wait here): a streaming ``POST
-  /generate`` for sglang, a ``POST /v1/completions`` for vLLM. A background thread runs
-  an asyncio loop with an aiohttp session; ``step`` returns the tokens that arrived since
-  the previous call, waiting up to ``STEP_WAIT_S`` when none has, so the generator's
-  loop does not spin.
+- **Requests** (``RequestQueue``, ``asyncrl.engine.remote_requests``). Each attempt of a
+  request goes to the server with the fewest requests in flight (at most
+  ``max_inflight`` each; the rest wait there): a streaming ``POST /generate`` for
+  sglang, a ``POST /v1/completions`` for vLLM. A background thread runs an asyncio loop
+  with an aiohttp session; ``step`` returns the tokens that arrived since the previous
+  call, waiting up to ``STEP_WAIT_S`` when none has, so the generator's loop does not
+  spin.
 - **Tokens, logprobs, versions.** Each token comes with its logprob (``log_softmax(logits
   / T)``, as the embedded engine's) and its weights version: reported per token by
   asyncrl's front, per response chunk by sglang, and for vLLM the version its server ran
@@ -22,7 +23,7 @@ the embedded engine. What differs between servers is one ``ServerApi`` object
   announcements) has its ``ServerUpdates`` (``asyncrl.engine.remote_weights``) update the
   servers one after another, so the others keep generating: the ``ServerApi`` pauses the
   server (ending its requests), has it load the directory and resumes it (for vLLM after
-  ``_drain``: no attempt left on it). A server's version advances only when it confirms;
+  ``RequestQueue.drain``: no attempt left on it). A server's version advances only when it confirms;
   the engine's version is the oldest of its servers'. Raw tensors are written as such a
   directory first; a ``WeightsPush`` (vLLM's weight transfer) sends the version into the
   paused, drained server instead. With NCCL into sglang the trainer pauses, broadcasts
@@ -36,6 +37,9 @@ the embedded engine. What differs between servers is one ``ServerApi`` object
   version, while every earlier token keeps the version and behavior logprob it was
   sampled with. That is all the decoupled loss needs (DESIGN §6): it corrects each token
   by its own behavior logprob, whichever policy produced it.
+- **Servers that stop answering** (``ServerWatch``, ``asyncrl.engine.server_watch``):
+  their requests go back in the queue, a launched one is restarted, an attached one
+  still down after ``dead_after_s`` ends the engine with ``ServerFailed``.
 
 Differences from the embedded engine: a request's seed goes to the server keyed by where
 each attempt starts (sglang applies it in deterministic mode only); ``max_new_tokens`` is
@@ -51,22 +55,20 @@ import logging
 import shutil
 import tempfile
 import threading
-from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 import torch
 
 from asyncrl.engine import sglang_api
-from asyncrl.engine.base import EngineStatus, Finished, GeneratedToken, Request, StepOutput, Weights
+from asyncrl.engine.base import EngineStatus, Request, ServerFailed, StepOutput, Weights
+from asyncrl.engine.remote_requests import RequestQueue
 from asyncrl.engine.remote_weights import ServerState, ServerUpdates
-from asyncrl.engine.server_api import Attempt, NewTokens
 from asyncrl.engine.server_apis import server_api
+from asyncrl.engine.server_watch import ServerWatch
 from asyncrl.engine.servers import (
     RemoteEngineConfig,
-    log_tail,
     start_servers,
     stop_servers,
     write_weights_dir,
@@ -77,43 +79,6 @@ log = logging.getLogger(__name__)
 
 STEP_WAIT_S = 0.05
 """``step`` waits this long for a token before returning an empty step."""
-MAX_FRUITLESS_RESENDS = 20
-"""A request interrupted this many times in a row without a new token is given up (abort)."""
-DRAIN_GRACE_S = 2.0
-"""A weight update waits this long for the attempts on its server to end after the pause,
-then closes the connections of the rest (see ``_drain``)."""
-
-
-@dataclass
-class _Seq:
-    request: Request
-    tokens: list[int] = field(default_factory=list)
-    """Tokens generated so far, over every attempt."""
-    attempt: int = 0
-    fruitless: int = 0
-    """Attempts in a row that ended without a new token."""
-    server: ServerState | None = None
-    aborted: bool = False
-    """The caller aborted it: report ``abort``, never resend."""
-    matched: str | None = None
-    """The stop string the server reported ending it."""
-    cancel: asyncio.Event | None = None
-    """Set to end the attempt in flight (a new one per attempt)."""
-
-    @property
-    def rid(self) -> str:
-        """The server's request id of this attempt (unique while an aborted one drains)."""
-        rid = self.request.request_id
-        return rid if self.attempt == 0 else f"{rid}#{self.attempt}"
-
-
-@dataclass
-class _Counters:
-    tokens: int = 0
-    finished: int = 0
-    aborted: int = 0
-    resent: int = 0
-    resent_tokens: int = 0
 
 
 class RemoteEngine:
@@ -131,14 +96,6 @@ class RemoteEngine:
         self.max_seq_len = cfg.max_seq_len or config.max_position_embeddings
         self.eos_ids = sglang_api.eos_ids(model_path, config)
         self.api = server_api(cfg.server, self.eos_ids)
-        self.counters = _Counters()
-        self._lock = threading.Lock()  # guards the queues below and the outputs
-        self._queued: deque[_Seq] = deque()
-        self._running: dict[str, _Seq] = {}
-        self._tokens: list[GeneratedToken] = []
-        self._finished: list[Finished] = []
-        self._arrived = threading.Condition(self._lock)
-        self._failure: str | None = None
         self._staging = Path(tempfile.mkdtemp(prefix="asyncrl-staged-"))
         log_dir = Path(log_dir) if log_dir else self._staging / "logs"
         servers = start_servers(cfg, model_path, log_dir, name, version)
@@ -155,13 +112,26 @@ class RemoteEngine:
         except BaseException:
             self.close()
             raise
+        self.requests = RequestQueue(
+            self.api,
+            self.servers,
+            self._loop,
+            self._session,
+            cfg.max_inflight,
+            self.max_seq_len,
+            observe=lambda state, version: self.updates.observe(state, version),
+            suspect=lambda state, why: self.watch.suspect(state, why),
+        )
         self.updates = ServerUpdates(
             self.servers,
             self._session,
             self._loop,
-            self._dispatch,
+            self.requests.dispatch,
             min(s.version for s in self.servers),
             self._load,
+        )
+        self.watch = ServerWatch(
+            cfg, self.servers, self._session, self._reattach, self.requests.dispatch, model_path
         )
 
     @property
@@ -177,25 +147,18 @@ class RemoteEngine:
                 f"request {request.request_id!r}: prompt of {len(request.prompt_ids)} tokens does "
                 f"not fit max_seq_len={self.max_seq_len}"
             )
-        with self._lock:
-            rid = request.request_id
-            if rid in self._running or any(s.request.request_id == rid for s in self._queued):
-                raise ValueError(f"request {rid!r} is already queued or running")
-            self._queued.append(_Seq(request))
-        self._loop.call_soon_threadsafe(self._dispatch)
+        self.requests.submit(request)
 
     def step(self) -> StepOutput:
-        with self._arrived:
-            if not (self._tokens or self._finished or self._failure):
-                self._arrived.wait(STEP_WAIT_S)
-            if self._failure:
-                raise RuntimeError(self._failure)
-            tokens, self._tokens = self._tokens, []
-            finished, self._finished = self._finished, []
+        """The tokens and finished requests since the last step; ``ServerFailed`` once a
+        server is lost for good (``ServerWatch``) or answers what cannot be read."""
+        tokens, finished = self.requests.take(STEP_WAIT_S)
+        if self.requests.failure or self.watch.fatal:
+            raise ServerFailed(self.requests.failure or self.watch.fatal)
         return StepOutput(tokens=tokens, finished=finished, version=self.updates.version)
 
     def abort(self, request_id: str) -> None:
-        self._loop.call_soon_threadsafe(self._abort, request_id)
+        self._loop.call_soon_threadsafe(self.requests.abort, request_id)
 
     def stage_weights(self, weights: Weights, version: int, *, wait: bool = False) -> None:
         """Have every server load ``weights`` as ``version``, one server at a time (see
@@ -210,10 +173,10 @@ class RemoteEngine:
             self.updates.wait_for(version, 3 * len(self.servers) * self.cfg.request_timeout_s)
 
     def status(self) -> EngineStatus:
-        c, updates = self.counters, self.updates
-        with self._lock:
-            running, waiting = len(self._running), len(self._queued)
-        free = sum(not s.torn for s in self.servers) * self.cfg.max_inflight - running
+        c, updates = self.requests.counters, self.updates
+        running, waiting = self.requests.counts()
+        usable = sum(not s.torn and s.down_since is None for s in self.servers)
+        free = usable * self.cfg.max_inflight - running
         version, staged = updates.version, updates.staged_version
         metrics = {
             "engine/running": running,
@@ -229,6 +192,7 @@ class RemoteEngine:
             "engine/resent": c.resent,
             "engine/resent_tokens": c.resent_tokens,
             **updates.metrics(),
+            **self.watch.metrics(),
         }
         return EngineStatus(running, waiting, free, version, staged, c.tokens, None, metrics)
 
@@ -250,7 +214,7 @@ class RemoteEngine:
                 shutil.rmtree(old, ignore_errors=True)
         return path
 
-    # ---- the loop thread: requests -------------------------------------------------
+    # ---- the loop thread -----------------------------------------------------------
     def _call(self, coro):
         """Run ``coro`` on the loop thread and wait for its result (setup and close only)."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -268,123 +232,20 @@ class RemoteEngine:
         # Cumulative stream lines grow with the completion: allow long ones.
         return aiohttp.ClientSession(timeout=timeout, read_bufsize=1 << 22)
 
-    def _dispatch(self) -> None:
-        """Send queued requests to the least busy servers neither updating nor torn."""
-        with self._lock:
-            while self._queued:
-                open_ = [
-                    s
-                    for s in self.servers
-                    if not (s.updating or s.torn) and s.inflight < self.cfg.max_inflight
-                ]
-                if not open_:
-                    return
-                server = min(open_, key=lambda s: s.inflight)
-                seq = self._queued.popleft()
-                seq.server, server.inflight = server, server.inflight + 1
-                seq.cancel = asyncio.Event()
-                self._running[seq.request.request_id] = seq
-                self._loop.create_task(self._attempt(seq))
-
-    def _abort(self, request_id: str) -> None:
-        with self._lock:
-            queued = [s for s in self._queued if s.request.request_id == request_id]
-            if queued:
-                self._queued.remove(queued[0])
-                self._finish(queued[0], "abort")
-                return
-            seq = self._running.get(request_id)
-        if seq is not None and not seq.aborted:
-            seq.aborted = True  # its attempt ends with "abort", reported then
-            seq.cancel.set()
-            self._loop.create_task(self.api.abort(self._session, seq.server.server.url, seq.rid))
-
-    async def _attempt(self, seq: _Seq) -> None:
-        server, before = seq.server, len(seq.tokens)
-        attempt = Attempt(
-            seq.rid,
-            seq.request.prompt_ids + seq.tokens,
-            seq.request.params,
-            self._budget(seq),
-            lambda new: self._take(server, seq, new),
-            seq.cancel,
-        )
-        try:
-            end = await self.api.generate(self._session, server, attempt)
-        except (TimeoutError, aiohttp.ClientError, ValueError) as e:
-            process = server.server.process
-            died = process is not None and process.poll() is not None
-            self._fail(
-                f"request to {server.server.url} failed: {type(e).__name__}: {e}"
-                + (f"\nthe server exited:\n{log_tail(server.server)}" if died else "")
-            )
-            return
-        seq.matched = end.matched
-        with self._lock:
-            server.inflight -= 1
-            del self._running[seq.request.request_id]
-            remaining = self._budget(seq)
-            seq.fruitless = 0 if len(seq.tokens) > before else seq.fruitless + 1
-            if end.reason not in (None, "abort"):
-                self._finish(seq, end.reason)
-            elif seq.aborted or end.error or seq.fruitless > MAX_FRUITLESS_RESENDS:
-                self._finish(seq, "abort")
-            elif remaining <= 0:
-                self._finish(seq, "length")
-            else:  # interrupted by a weight update (or a pause): continue where it stopped
-                seq.attempt += 1
-                self.counters.resent += 1
-                self.counters.resent_tokens += len(seq.request.prompt_ids) + len(seq.tokens)
-                self._queued.appendleft(seq)
-        self._dispatch()
-
-    def _budget(self, seq: _Seq) -> int:
-        """New tokens the next attempt may generate."""
-        used = len(seq.request.prompt_ids) + len(seq.tokens)
-        return min(seq.request.params.max_new_tokens - len(seq.tokens), self.max_seq_len - used)
-
-    def _take(self, server: ServerState, seq: _Seq, new: NewTokens) -> None:
-        """Record an attempt's new tokens. A version newer than the server's means someone
-        else (the trainer, over NCCL) updated it: the engine follows."""
-        self.updates.observe(server, max(v for _, _, v in new))
-        rid = seq.request.request_id
-        seq.tokens.extend(token for token, _, _ in new)
-        with self._arrived:
-            self._tokens.extend(GeneratedToken(rid, t, lp, v) for t, lp, v in new)
-            self.counters.tokens += len(new)
-            self._arrived.notify_all()
-
     async def _load(self, server: ServerState, path: Weights, version: int) -> bool:
         """``ServerUpdates``' update of one server (no new attempt is sent to it meanwhile)."""
-        return await self.api.load_weights(self._session, server, path, version, self._drain)
+        drain = self.requests.drain
+        return await self.api.load_weights(self._session, server, path, version, drain)
 
-    async def _drain(self, server: ServerState) -> None:
-        """Return once no attempt is in flight on ``server`` (paused: they are ending).
-        After ``DRAIN_GRACE_S`` the rest are cancelled: a request that reached a vLLM
-        server after its pause waits there, and closing its connection drops it."""
-        deadline = self._loop.time() + DRAIN_GRACE_S
-        while server.inflight:
-            if self._loop.time() > deadline:
-                with self._lock:
-                    for seq in self._running.values():
-                        if seq.server is server and seq.cancel is not None:
-                            seq.cancel.set()
-            await asyncio.sleep(0.01)
-
-    def _finish(self, seq: _Seq, reason: str) -> None:
-        """Report ``seq`` finished; the caller holds ``self._lock``."""
-        matched = seq.matched if reason == "stop" else None
-        self._finished.append(Finished(seq.request.request_id, reason, len(seq.tokens), matched))
-        if reason == "abort":
-            self.counters.aborted += 1
-        else:
-            self.counters.finished += 1
-        self._arrived.notify_all()
-
-    def _fail(self, message: str) -> None:
-        """A server stopped answering: the next ``step`` raises, the generator exits, and
-        the launcher restarts it (its leases are re-issued)."""
-        log.error(message)
-        with self._arrived:
-            self._failure = message
-            self._arrived.notify_all()
+    async def _reattach(self, state: ServerState) -> None:
+        """Learn again what a server that stopped answering runs (``ServerWatch``): one
+        that restarted, or that reports weights other than the version it ran, gets no
+        request until an update brings it the newest (the last confirmed, offered again)."""
+        before = state.version
+        state.version = -1  # unless it reports a version
+        await self.api.attach(self._session, state)
+        changed = state.restarted or state.version != before
+        state.version = before
+        if changed and self.updates.last is not None:
+            state.torn = True
+            self.updates.refresh()

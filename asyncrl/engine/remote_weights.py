@@ -43,8 +43,15 @@ class ServerState:
     updating: bool = False
     """Its weights are being updated: no new request goes there meanwhile."""
     torn: bool = False
-    """A transfer into it failed part-way (or without an answer): its weights may be a mix
-    of two versions, so it stays paused and gets no request until an update succeeds."""
+    """A transfer into it failed part-way (or without an answer), or it came back from a
+    restart with weights of its own: it gets no request until an update succeeds."""
+    down_since: float | None = None
+    """When it stopped answering (``time.monotonic``); None while it answers
+    (``asyncrl.engine.server_watch``)."""
+    last_error: str = ""
+    """Why it was last taken for down."""
+    restarted: bool = False
+    """Launched again since it went down, and not yet answering."""
 
 
 async def post_json(
@@ -97,6 +104,8 @@ class ServerUpdates:
         """Updates some server did not confirm (forgotten, retried on the next offer)."""
         self.last_update_s = 0.0
         """Seconds the last update took, over every server."""
+        self.last: tuple[str | WeightsPush, int] | None = None
+        """The newest weights every server confirmed; None before any update."""
         self._session, self._loop = session, loop
         self._on_server_free = on_server_free  # the engine sends it requests again
         self._load = load  # (server, source, version) -> whether the server confirmed
@@ -129,6 +138,12 @@ class ServerUpdates:
                 )
             if self.version < version:
                 raise RuntimeError(f"the servers did not load weights v{version} (see the log)")
+
+    def refresh(self) -> None:
+        """Offer the last confirmed weights again: a server back from a restart (torn)
+        takes them."""
+        if self.last is not None:
+            self.offer(*self.last)
 
     def observe(self, state: ServerState, version: int) -> None:
         """A response of ``state`` carried weights ``version``: when newer, someone else
@@ -185,7 +200,7 @@ class ServerUpdates:
                 continue
             with self._changed:
                 self.completed += 1
-                self.version = version
+                self.version, self.last = version, target
                 self._changed.notify_all()
 
     async def _update_one(self, state: ServerState, path: str | WeightsPush, version: int) -> None:

@@ -64,7 +64,10 @@ class AttemptEnd:
     matched: str | None = None
     """The stop string that ended it, when one did."""
     error: bool = False
-    """The server refused or failed the request: it is not sent again."""
+    """The server refused the request: it is not sent again."""
+    lost: str = ""
+    """Why the server failed the attempt (a dropped connection, a server error): the
+    attempt is sent again, and the server is checked (``ServerWatch``)."""
 
 
 class ServerApi(Protocol):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import shutil
 import signal
@@ -40,6 +41,10 @@ from typing import Literal
 
 import torch
 from safetensors.torch import load_file
+
+from asyncrl.engine.base import ServerFailed
+
+log = logging.getLogger("asyncrl.remote")
 
 
 @dataclass
@@ -72,6 +77,11 @@ class RemoteEngineConfig:
     request_timeout_s: float = 600.0
     """Longest silence on a request's stream (for vLLM, whose responses are not streamed,
     a whole attempt), or wait for a control call (weight update)."""
+    dead_after_s: float = 120.0
+    """A server that has not answered for this long is dead: an attached one stops the run
+    with an error naming it (a restarted generator could not bring it back), a launched
+    one is restarted (``engine/server_restarts``). Meanwhile its requests wait for it or
+    go to the other servers, and the generator logs it every few seconds."""
     max_inflight: int = 64
     """Requests outstanding per server; more wait in the engine (``engine/waiting``)."""
     max_seq_len: int = 0
@@ -106,8 +116,10 @@ class RemoteEngineConfig:
             raise ValueError(f"{p}mem_fraction_static must be in [0, 1)")
         if self.base_port and not 1024 <= self.base_port <= 65535 - self.num_servers:
             raise ValueError(f"{p}base_port must be 0 (pick free ports) or in 1024..65535")
-        if self.startup_timeout_s <= 0 or self.request_timeout_s <= 0:
-            raise ValueError(f"{p}startup_timeout_s and {p}request_timeout_s must be > 0")
+        if min(self.startup_timeout_s, self.request_timeout_s, self.dead_after_s) <= 0:
+            raise ValueError(
+                f"{p}startup_timeout_s, {p}request_timeout_s and {p}dead_after_s must be > 0"
+            )
         if self.max_inflight < 1:
             raise ValueError(f"{p}max_inflight must be >= 1")
         if self.weight_update == "nccl" and self.server == "embedded" and not self.urls:
@@ -132,6 +144,8 @@ class Server:
     process: subprocess.Popen | None = None
     """The server when this process launched it (None: attached)."""
     log_path: Path | None = None
+    index: int = 0
+    """Its place among the launched servers (its GPUs, its port)."""
 
 
 def server_command(
@@ -261,64 +275,89 @@ def launch_servers(
     servers = []
     for i in range(cfg.num_servers):
         port = cfg.base_port + i if cfg.base_port else free_port()
-        cmd = server_command(cfg, model_path, port, i, version)
         log_path = log_dir / f"{name}_server{i}.log"
-        with open(log_path, "ab") as log:
-            log.write(f"$ {' '.join(cmd)}\n".encode())
-            log.flush()
-            proc = subprocess.Popen(
-                cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-                env=server_env(cfg, i),
-            )
-        servers.append(Server(f"http://127.0.0.1:{port}", proc, log_path))
+        servers.append(_launch(cfg, model_path, port, i, version, log_path))
     return servers
+
+
+def relaunch(server: Server, cfg: RemoteEngineConfig, model_path: str) -> Server:
+    """Start a launched server again, stopped, on its port and GPUs, logging to the same
+    file; it starts with the weights of ``model_path`` (version 0's)."""
+    port = int(server.url.rsplit(":", 1)[1])
+    return _launch(cfg, model_path, port, server.index, 0, server.log_path)
+
+
+def _launch(
+    cfg: RemoteEngineConfig, model_path: str, port: int, index: int, version: int, log_path: Path
+) -> Server:
+    cmd = server_command(cfg, model_path, port, index, version)
+    with open(log_path, "ab") as log:
+        log.write(f"$ {' '.join(cmd)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+            env=server_env(cfg, index),
+        )
+    return Server(f"http://127.0.0.1:{port}", proc, log_path, index)
 
 
 def start_servers(
     cfg: RemoteEngineConfig, model_path: str, log_dir: Path, name: str, version: int
 ) -> list[Server]:
     """Attach to ``cfg.urls``, or launch the servers (see ``launch_servers``); either way
-    return once every one is healthy, stopping what was launched if one is not."""
+    return once every one is healthy, stopping what was launched if one is not. Attached
+    servers have ``dead_after_s`` to answer, launched ones ``startup_timeout_s``."""
     if cfg.urls:
         servers = [Server(url.rstrip("/")) for url in cfg.urls]
+        timeout_s, key = cfg.dead_after_s, "dead_after_s"
     else:
         servers = launch_servers(cfg, model_path, log_dir, name, version)
+        timeout_s, key = cfg.startup_timeout_s, "startup_timeout_s"
     try:
-        wait_healthy(servers, cfg.startup_timeout_s)
+        wait_healthy(servers, timeout_s, f"engine.remote.{key}")
     except BaseException:
         stop_servers(servers)
         raise
     return servers
 
 
-def healthy(url: str, timeout_s: float = 5.0) -> bool:
+def health(url: str, timeout_s: float = 5.0) -> str:
+    """Why the server at ``url`` is not healthy; "" when ``/health`` answers 200."""
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
+            return "" if resp.status == 200 else f"/health answered {resp.status}"
+    except urllib.error.HTTPError as e:
+        return f"/health answered {e.code}"
+    except (urllib.error.URLError, OSError) as e:
+        return f"{type(e).__name__}: {getattr(e, 'reason', e)}"
 
 
-def wait_healthy(servers: list[Server], timeout_s: float) -> None:
-    """Return once every server answers ``/health`` with 200; raise RuntimeError (with the
-    tail of its log) when one exits or the time runs out."""
-    deadline = time.time() + timeout_s
+def wait_healthy(servers: list[Server], timeout_s: float, setting: str = "") -> None:
+    """Return once every server answers ``/health`` with 200, logging every few seconds
+    which one is awaited and why; raise ``ServerFailed`` (with the tail of its log)
+    when one exits or ``timeout_s`` (the config key ``setting``) runs out."""
+    start = time.time()
     for server in servers:
-        while not healthy(server.url):
+        logged = time.time()
+        while why := health(server.url):
+            waited = time.time() - start
             if server.process is not None and server.process.poll() is not None:
-                raise RuntimeError(
-                    f"server {server.url} exited with code {server.process.returncode}:\n"
-                    f"{log_tail(server)}"
+                raise ServerFailed(
+                    f"the server at {server.url} exited with code "
+                    f"{server.process.returncode} before it answered:\n{log_tail(server)}"
                 )
-            if time.time() > deadline:
-                raise RuntimeError(
-                    f"server {server.url} not healthy after {timeout_s:.0f}s "
-                    f"(engine.remote.startup_timeout_s):\n{log_tail(server)}"
+            if waited > timeout_s:
+                raise ServerFailed(
+                    f"the server at {server.url} has not answered for {waited:.0f} s "
+                    f"({setting}={timeout_s:g}): {why}\n{log_tail(server)}"
                 )
+            if time.time() - logged >= 5.0:
+                log.warning("waiting %.0f s for the server at %s: %s", waited, server.url, why)
+                logged = time.time()
             time.sleep(0.2)
 
 
@@ -358,9 +397,19 @@ def write_weights_dir(state: Mapping[str, torch.Tensor], model_path: str, out_di
     model_cfg = ModelConfig(path=model_path)
     with torch.device("meta"):
         plain = model_class(model_cfg).from_config(hf_config(model_cfg))
-    plain.load_state_dict(dict(state), assign=True)
+    # A tied model's state has its shared weight once (the trainer reads parameters, and
+    # named_parameters names a tied one once): the LM head is that embedding.
+    missing, unexpected = plain.load_state_dict(dict(state), strict=False, assign=True)
     if plain.config.tie_word_embeddings:
         plain.tie_weights()
+    shared = {n for n, _ in plain.named_parameters(remove_duplicate=False)}
+    shared -= {n for n, _ in plain.named_parameters()}
+    missing = [name for name in missing if name not in shared]
+    if missing or unexpected:
+        raise ValueError(
+            f"weights for {model_path} do not fit its config: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
     tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     plain.save_pretrained(tmp)

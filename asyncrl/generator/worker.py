@@ -32,14 +32,14 @@ from pathlib import Path
 import zmq
 
 from asyncrl.config import ConfigError, load_json
-from asyncrl.engine.base import StepOutput
+from asyncrl.engine.base import ServerFailed, StepOutput
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.remote import RemoteEngine
 from asyncrl.episodes.driver import EpisodeDriver
 from asyncrl.generator.stats import GeneratorStats
 from asyncrl.generator.weights import WeightsIntake
 from asyncrl.interfaces import Engine
-from asyncrl.launcher.supervise import AliveMark
+from asyncrl.launcher.supervise import EXIT_FATAL, AliveMark
 from asyncrl.metrics import MetricsLogger
 from asyncrl.rollout import PendingLease, RolloutConfig, lease_request, record_tokens
 from asyncrl.stages.fit import fit_context
@@ -253,14 +253,16 @@ class GeneratorWorker:
         return turn_end
 
     def _log_window(self) -> None:
-        version = self.engine.status().version
-        self.metrics.log(version, self.stats.window(version))
+        status = self.engine.status()
+        # The engine's own gauges too (a remote engine's resends, server restarts, updates).
+        self.metrics.log(status.version, self.stats.window(status.version) | status.metrics)
 
     def _close_metrics(self) -> None:
         self._log_window()
-        summary = self.stats.summary(self.engine.status().version)
+        status = self.engine.status()
+        summary = self.stats.summary(status.version)
         self.metrics.write_summary(
-            {"worker_id": self.worker_id, **summary},
+            {"worker_id": self.worker_id, **summary, "engine": status.metrics},
             name=f"generator_{self.worker_id}_summary.json",
         )
         self.metrics.close()
@@ -359,14 +361,18 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     cfg: RolloutConfig = load_json(args.config)
-    engine = make_engine(cfg, args.model or cfg.model.path, args.worker_id)
     try:
-        worker = GeneratorWorker(cfg, args.worker_id, engine)
-        signal.signal(signal.SIGTERM, lambda *_: worker.stop())
-        signal.signal(signal.SIGINT, lambda *_: worker.stop())
-        worker.run()
-    finally:
-        engine.close()  # a remote engine stops the servers it launched
+        engine = make_engine(cfg, args.model or cfg.model.path, args.worker_id)
+        try:
+            worker = GeneratorWorker(cfg, args.worker_id, engine)
+            signal.signal(signal.SIGTERM, lambda *_: worker.stop())
+            signal.signal(signal.SIGINT, lambda *_: worker.stop())
+            worker.run()
+        finally:
+            engine.close()  # a remote engine stops the servers it launched
+    except ServerFailed as e:  # a restart of this process cannot bring the server back
+        log.error("generator %s stops the run: %s", args.worker_id, e)
+        raise SystemExit(EXIT_FATAL) from e
 
 
 if __name__ == "__main__":

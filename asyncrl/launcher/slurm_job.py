@@ -119,6 +119,13 @@ def parse_steps(text: str) -> list[tuple[str, dict, list[str]]]:
     return steps
 
 
+def stage_time_limit(run_dir: Path) -> float:
+    """The stage's ``time_limit_s`` from its resolved config (0 when it has none)."""
+    path = run_dir / "config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    return float(config.get("time_limit_s") or 0.0)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Supervise an asyncrl job's srun steps (read from stdin)."
@@ -150,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         stop=stop,
         before_restart=lambda group: clear_trainer_rendezvous(args.run_dir, group),
         stall_s=args.stall_timeout_s,
+        time_limit_s=stage_time_limit(args.run_dir),
     )
     summary = args.run_dir / "summary.json"
     if code == 0:

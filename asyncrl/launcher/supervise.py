@@ -14,9 +14,13 @@ overrides how a step is stopped, and whose tasks write their pid files themselve
 - a restartable one whose loop stalls (frozen, wedged) counts as dead: it is told a file,
   ``RUN_DIR/alive/NAME`` (``ALIVE_FILE_ENV``), to touch as its loop turns (``AliveMark``);
   once it has, a mark older than ``stall_s`` gets it SIGKILLed and restarted;
-- any other death, or one past its restart budget, stops everything and prints the tail
-  of that log;
-- when every final one (the trainer) has exited 0, the rest are stopped: the run is done.
+- any other death, one past its restart budget, or one with ``EXIT_FATAL`` (a process
+  that says a restart cannot help: a generator whose attached server stays down) stops
+  everything and prints the tail of that log;
+- when every final one (the trainer) has exited 0, the rest are stopped: the run is done;
+- a run still going ``HARD_STOP_GRACE_S`` past its stage's ``time_limit_s`` is stopped:
+  the trainer ends at its limit by itself, between steps or while it waits for a batch,
+  so only a process stuck elsewhere (a hung collective) gets here.
 """
 
 from __future__ import annotations
@@ -34,6 +38,14 @@ from typing import BinaryIO
 
 ALIVE_FILE_ENV = "ASYNCRL_ALIVE_FILE"
 """Names the file a supervised process touches to show its loop turns."""
+EXIT_FATAL = 78
+"""The exit code of a process whose death a restart cannot repair (EX_CONFIG): the run
+stops with the tail of its log instead of starting it again."""
+EXIT_TIME_LIMIT = 124
+"""``supervise``'s code when it stopped a run past its hard time limit."""
+HARD_STOP_GRACE_S = 300.0
+"""How long past ``time_limit_s`` a run may go on (its last evaluation, checkpoint and
+export) before the launcher stops it."""
 STALL_TIMEOUT_S = 60.0
 """Default seconds without a liveness mark before a process counts as stalled: far above
 a loop turn (a decode step, a weight flip; weights stage on another thread), far below
@@ -214,11 +226,14 @@ def supervise(
     stop: threading.Event | None = None,
     before_restart: Callable[[str], None] | None = None,
     stall_s: float = STALL_TIMEOUT_S,
+    time_limit_s: float = 0.0,
 ) -> int:
     """Start ``procs`` and watch them until the final ones have all exited 0 (returns 0),
-    something else died (1) or ``stop`` was set, e.g. by a signal handler (143).
+    something else died (1), ``stop`` was set, e.g. by a signal handler (143), or the run
+    went ``HARD_STOP_GRACE_S`` past ``time_limit_s`` (``EXIT_TIME_LIMIT``; 0: no limit).
     ``before_restart(group)`` runs after a restart group is down, before it starts again
     (``clear_trainer_rendezvous``); ``stall_s``: see ``poll_or_kill_stalled``."""
+    hard_stop = time.monotonic() + time_limit_s + HARD_STOP_GRACE_S if time_limit_s > 0 else None
     for p in procs:
         p.start()
     finals = [p for p in procs if p.final]
@@ -227,18 +242,29 @@ def supervise(
             say("asked to stop; stopping every process")
             stop_all(procs, grace_s)
             return 143
+        if hard_stop is not None and time.monotonic() > hard_stop:
+            say(
+                f"the run is still going {HARD_STOP_GRACE_S:.0f} s past its time_limit_s="
+                f"{time_limit_s:g}: stopping every process; last lines of the trainer's log:\n"
+                + "\n".join(log_tail(p.log_path, 10) for p in finals[:1])
+            )
+            stop_all(procs, grace_s)
+            return EXIT_TIME_LIMIT
         for p in procs:
             code = poll_or_kill_stalled(p, stall_s)
             if code is None or (code == 0 and p.final):
                 continue
             if stop is not None and stop.is_set():
                 break  # deaths while stopping are the stop's doing
-            if (p.restartable or p.group) and p.restarts < p.max_restarts:
+            repairable = code != EXIT_FATAL and (p.restartable or p.group)
+            if repairable and p.restarts < p.max_restarts:
                 restart(p, code, procs, grace_s, before_restart)
                 continue
             stop_all(procs, grace_s)
+            fatal = " (it cannot go on: a restart would not help)" if code == EXIT_FATAL else ""
             say(
-                f"{p.name} exited with code {code}; last lines of {p.log_path}:\n{log_tail(p.log_path)}"
+                f"{p.name} exited with code {code}{fatal}; last lines of {p.log_path}:\n"
+                f"{log_tail(p.log_path)}"
             )
             return 1
         if all(p.poll() == 0 for p in finals):

@@ -120,7 +120,8 @@ class ColocatedRollout:
         timeout_s: float = 600.0,
         on_wait: Callable[[], None] | None = None,
         wait_tick_s: float = 10.0,
-    ) -> Batch:
+        deadline: float | None = None,
+    ) -> Batch | None:
         """Generate until this step's batch is complete and return this rank's share.
 
         ``on_wait`` is accepted for ``BufferClient``'s signature and never called: the only
@@ -143,6 +144,8 @@ class ColocatedRollout:
                 time.sleep(0.001)  # rewards are being scored in worker processes
             if time.perf_counter() - start > timeout_s:
                 raise TimeoutError(f"no batch for step {step} after {timeout_s:.0f} s")
+            if deadline is not None and time.time() > deadline:
+                return None
         self.served_at = time.perf_counter()
         self.step_timing.generate_s += self.served_at - start
         self.step_timing.tokens += self.engine.status().tokens - tokens_before

@@ -103,7 +103,9 @@ class RecordedRun:
                 yield step, s
 
     # ---- BatchSource -------------------------------------------------------------
-    def request_batch(self, step: int, world_size: int, timeout_s: float = 0.0, **_) -> Batch:
+    def request_batch(
+        self, step: int, world_size: int, timeout_s: float = 0.0, **_
+    ) -> Batch | None:
         samples = self.batches.get((step, self.rank))
         if samples is None:
             raise ReplayError(f"the log served step {step} to rank {self.rank} no batch")

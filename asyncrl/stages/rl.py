@@ -78,6 +78,8 @@ def run(cfg: RLExperiment, info: DistInfo, source: BatchSource | None = None) ->
     while core.step < cfg.rl.max_steps and not stop:
         # 1. my share of this step's batch (whole groups, at most max_staleness old)
         batch, waited = take_batch(r, cfg, info)
+        if batch is None:  # the time limit passed while waiting for it
+            break
         micro = rl_micro_batches(r.rewards.normalize(batch.samples), cfg, core.pad_id)
         # 2. logprobs with the step's starting weights, no grad: the proximal policy's
         #    (None: the first update's own forward gives them) and the reference's
@@ -206,17 +208,23 @@ def resume_or_evaluate(r: RLParts, cfg: RLExperiment) -> dict:
     return accuracy
 
 
-def take_batch(r: RLParts, cfg: RLExperiment, info: DistInfo) -> tuple[Batch, float]:
-    """This rank's share of the step's batch, and the seconds spent waiting for it. Rank 0
-    republishes its weights meanwhile: a generator that (re)joined after the last publish
-    would otherwise decode with weights too stale for the buffer to accept."""
+def take_batch(r: RLParts, cfg: RLExperiment, info: DistInfo) -> tuple[Batch | None, float]:
+    """This rank's share of the step's batch, and the seconds spent waiting for it; None
+    when ``time_limit_s`` passed first on any rank (all ranks stop together), so a run
+    whose batches stop coming still ends at its limit. Rank 0 republishes its weights
+    meanwhile: a generator that (re)joined after the last publish would otherwise decode
+    with weights too stale for the buffer to accept."""
     wait = time.perf_counter()
+    deadline = r.start + cfg.time_limit_s if cfg.time_limit_s > 0 else None
     batch = r.source.request_batch(
         r.core.step,
         info.world_size,
         on_wait=r.publisher.republish,
         wait_tick_s=max(1.0, 5 * cfg.transport.heartbeat_s),
+        deadline=deadline,
     )
+    if deadline is not None and all_reduce_max(int(batch is None), info.device):
+        return None, time.perf_counter() - wait
     return batch, time.perf_counter() - wait
 
 

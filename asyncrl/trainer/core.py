@@ -129,7 +129,8 @@ def sharded_model(
     meta device, shards it and allocates its shards. Its values equal ``load_model``'s."""
     full = load_model(model_cfg).state_dict() if info.is_main else {}
     model = shard_model(empty_model(model_cfg), info, cfg)
-    model.to_empty(device=info.device)
+    # Offloaded shards live on the CPU: FSDP2 moves each layer's to the GPU for compute.
+    model.to_empty(device="cpu" if cfg is not None and cfg.cpu_offload else info.device)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, full, options=options)
     del full
