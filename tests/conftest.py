@@ -75,6 +75,16 @@ def chat_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def vllm_models(tmp_path_factory) -> dict[str, str]:
+    """The real-vLLM tests' models (``tests/real_vllm.py``): a tied Qwen2 and an untied
+    Llama, by name, with their BPE tokenizers and chat templates."""
+    from .real_vllm import MODELS, build_model
+
+    root = tmp_path_factory.mktemp("vllm-models")
+    return {name: build_model(root / name, shape) for name, shape in MODELS.items()}
+
+
+@pytest.fixture(scope="session")
 def dist_info(tmp_path_factory):
     """A one-rank gloo process group for in-process trainer cores (joined once; every
     later ``init_distributed`` in this process reuses it)."""

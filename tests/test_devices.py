@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import apply_overrides
-from asyncrl.engine.servers import RemoteEngineConfig, server_command, server_env
+from asyncrl.engine.config import RemoteEngineConfig
+from asyncrl.engine.servers import server_command, server_env
 from asyncrl.launcher.devices import (
     DeviceError,
     job_gpus_per_node,

@@ -117,14 +117,14 @@ def test_greedy_completion_is_the_engines_own_and_the_sglang_fronts(tiny_url, ti
         max_tokens=12,
         temperature=0.0,
         logprobs=0,
-        extra_body={"return_token_ids": True},
+        extra_body={"return_token_ids": True, "return_weight_versions": True},
     )
     choice = out.choices[0]
     ids, logprobs = engine_greedy(tiny_model_dir, prompt, 12)
     assert choice.token_ids == ids and choice.prompt_token_ids == prompt
     assert (choice.finish_reason == "length") == (tokenizer.eos_token_id not in ids)
     assert choice.text == tokenizer.decode(ids, skip_special_tokens=True)
-    assert choice.token_versions == ["v0"] * len(ids)
+    assert choice.weight_versions == [{"version": "v0", "start": 0, "end": len(ids)}]
     assert out.usage.prompt_tokens == len(prompt) and out.usage.completion_tokens == len(ids)
     assert out.usage.total_tokens == len(prompt) + len(ids)
     assert out.object == "text_completion" and out.model == tiny_model_dir
@@ -212,7 +212,6 @@ def test_chat_prompt_is_the_chat_template_and_its_tokens_the_completions(
     assert [e.logprob for e in content] == pytest.approx(same.logprobs.token_logprobs, abs=1e-5)
     assert [e.token for e in content] == same.logprobs.tokens
     assert all(e.bytes == list(e.token.encode()) and e.top_logprobs == [] for e in content)
-    assert choice.token_versions == ["v0"] * len(choice.token_ids)
     # Text parts are joined, as vLLM does; without return_token_ids no ids come back.
     parts = [{"type": "text", "text": "What is 6"}, {"type": "text", "text": "times 7?"}]
     messages = [MESSAGES[0], {"role": "user", "content": parts}]
@@ -267,4 +266,5 @@ def test_chat_without_a_template_and_bad_chat_requests_are_400s(tiny_url, chat_u
                 **{"model": "m", "messages": MESSAGES, **change}
             )
     status, body = post(chat_url + "/v1/chat/completions", b"{not json")
-    assert status == 400 and body["error"]["type"] == "BadRequestError"
+    # vLLM types what its request schema refuses (a body that is not JSON) "Bad Request".
+    assert status == 400 and body["error"]["type"] == "Bad Request"

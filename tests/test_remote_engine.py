@@ -23,10 +23,10 @@ import zmq
 from asyncrl.config import ConfigError, apply_overrides, load_json, save_json
 from asyncrl.engine import sglang_api as api
 from asyncrl.engine.base import Finished, Request, SamplingParams
-from asyncrl.engine.config import EngineConfig
+from asyncrl.engine.config import EngineConfig, RemoteEngineConfig
 from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from asyncrl.engine.remote import RemoteEngine
-from asyncrl.engine.servers import RemoteEngineConfig, write_weights_dir
+from asyncrl.engine.servers import write_weights_dir
 from asyncrl.interfaces import FullParameters
 from asyncrl.metrics import read_metrics
 from asyncrl.models import ModelConfig, load_model, load_tokenizer

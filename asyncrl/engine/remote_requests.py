@@ -199,10 +199,7 @@ class RequestQueue:
             del self._running[seq.request.request_id]
             if end.lost:  # the server went away: the attempt goes again, elsewhere or later
                 self._suspect(server, end.lost)
-            elif len(seq.tokens) > before:
-                seq.fruitless = 0
-            else:
-                seq.fruitless += 1
+            seq.fruitless = 0 if len(seq.tokens) > before else seq.fruitless + 1
             if end.reason not in (None, "abort"):
                 self._finish(seq, end.reason)
             elif seq.aborted or end.error or seq.fruitless > MAX_FRUITLESS_RESENDS:

@@ -63,7 +63,7 @@ from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from asyncrl.engine.openai_api import OpenAIApi
 from asyncrl.engine.serve_engine import EngineServer, Flight
 from asyncrl.engine.serve_protocol import BadRequest, parse_generate, read_json
-from asyncrl.engine.vllm_api import VllmApi
+from asyncrl.engine.vllm_api import FRONT_VLLM, VllmApi
 
 log = logging.getLogger("asyncrl.serve")
 
@@ -244,7 +244,8 @@ async def slow_down(request: web.Request) -> web.Response:
     return _json(None)
 
 
-def build_app(server: EngineServer) -> web.Application:
+def build_app(server: EngineServer, vllm_version: str = FRONT_VLLM) -> web.Application:
+    """The front's routes; vLLM's as release ``vllm_version`` answers them."""
     app = web.Application(client_max_size=256 * 1024**2)
     app[SERVER] = server
     app.router.add_post("/generate", generate)
@@ -260,8 +261,8 @@ def build_app(server: EngineServer) -> web.Application:
     app.router.add_get("/health_generate", health)
     app.router.add_route("*", "/flush_cache", flush_cache)
     app.router.add_post("/slow_down", slow_down)
-    OpenAIApi(server).add_routes(app)
-    VllmApi(server).add_routes(app)  # vLLM's RL routes: /version, /pause, ...
+    OpenAIApi(server, vllm_version).add_routes(app)
+    VllmApi(server, vllm_version).add_routes(app)  # vLLM's RL routes: /version, /pause, ...
     return app
 
 
@@ -278,6 +279,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-version", default="default", help="label of the initial weights")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument(
+        "--vllm-version",
+        default=FRONT_VLLM,
+        help="the vLLM release whose API the vLLM routes answer as (0.32: requests wait out a "
+        "pause, no weight_versions; 0.33 on: 503 while paused, weight_versions)",
+    )
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 
@@ -293,7 +300,8 @@ async def serve(args: argparse.Namespace) -> int:
     )
     engine = EmbeddedEngine(args.model, cfg)
     server = EngineServer(engine, args.model, args.weight_version)
-    runner = web.AppRunner(build_app(server), access_log=None, handler_cancellation=True)
+    app = build_app(server, args.vllm_version)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
     stop = asyncio.Event()

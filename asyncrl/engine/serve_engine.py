@@ -65,6 +65,8 @@ class EngineServer:
         self._wake = asyncio.Event()
         self._stepper = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         self.paused = False
+        self.refusing: str | None = None
+        """Why new OpenAI requests are refused with 503 now (vLLM 0.33 on, paused)."""
         self.sleep_after_step = 0.0
         self.healthy = True
         self._stopped = False

@@ -41,6 +41,11 @@ class BadRequest(ValueError):
     """A client error; the server answers it with HTTP 400 and this message."""
 
 
+class WrongType(BadRequest):
+    """A body that is not JSON, or a value of the wrong JSON type: what vLLM's request
+    schema refuses before its own checks (its error type is then ``Bad Request``)."""
+
+
 @dataclass
 class GenerateInput:
     """One validated ``/generate`` request."""
@@ -109,7 +114,7 @@ def decode_body(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
     except ValueError as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+        raise WrongType(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     return body
@@ -128,14 +133,16 @@ def _is_int(value: Any) -> bool:
 
 
 def _number(value: Any, name: str) -> float:
-    if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
-        raise BadRequest(f"{name} must be a finite number, got {value!r}")
+    kind = WrongType if not (_is_int(value) or isinstance(value, float)) else BadRequest
+    if kind is WrongType or not math.isfinite(value):
+        raise kind(f"{name} must be a finite number, got {value!r}")
     return float(value)
 
 
 def _integer(value: Any, name: str, minimum: int) -> int:
     if not _is_int(value) or value < minimum:
-        raise BadRequest(f"{name} must be an integer >= {minimum}, got {value!r}")
+        kind = BadRequest if _is_int(value) else WrongType
+        raise kind(f"{name} must be an integer >= {minimum}, got {value!r}")
     return value
 
 

@@ -30,8 +30,9 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 
+from asyncrl.engine.config import RemoteEngineConfig
 from asyncrl.engine.remote_weights import ServerState
-from asyncrl.engine.servers import RemoteEngineConfig, log_tail, relaunch, stop_servers
+from asyncrl.engine.servers import log_tail, relaunch, stop_servers
 
 log = logging.getLogger("asyncrl.remote")
 

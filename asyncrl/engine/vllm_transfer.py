@@ -1,22 +1,27 @@
 """vLLM's weight-transfer routes on asyncrl's front (``asyncrl.engine.serve``), received
 over a gloo group instead of NCCL, so the trainer's side of vLLM's weight transfer
 (``asyncrl.trainer.publish_vllm``, ``engine.remote.weight_update=gloo``) runs for real on
-CPU. Names and shapes are vLLM 0.33's (``vllm/entrypoints/serve/dev/rlhf/api_router.py``,
-``vllm/distributed/weight_transfer/nccl_engine.py``):
+CPU. Names and shapes are vLLM's (``vllm/entrypoints/rl/online/api_router.py``, the
+worker's ``NCCLWeightTransferInitInfo`` and ``NCCLWeightTransferUpdateInfo`` in
+``vllm/distributed/weight_transfer/``), as the release the front answers as:
 
 - ``GET /get_world_size`` {``world_size``}: the server's workers (1 here).
 - ``POST /init_weight_transfer_engine`` {``init_info``: ``master_address``,
-  ``master_port``, ``rank_offset``, ``world_size``}: join the trainer's group as rank
+  ``master_port``, ``rank_offset``, ``world_size``, and the wire's ``packed``,
+  ``packed_buffer_size_bytes``, ``packed_num_buffers``}: join the trainer's group as rank
   ``rank_offset``; answers once every rank has joined. A new call replaces the group.
+  ``packed`` must be false here (vLLM's packed buffers are not implemented).
 - ``POST /start_weight_update``: begin a version (tensors received are held aside).
-- ``POST /update_weights`` {``update_info``: ``names``, ``dtype_names``, ``shapes``,
-  ``packed``}: receive one broadcast per tensor from rank 0, in that order; answers once
-  all have arrived. ``packed`` must be false (vLLM's packed buffers are not implemented).
+- ``POST /update_weights`` {``update_info``: ``names``, ``dtype_names``, ``shapes``}:
+  receive one broadcast per tensor from rank 0, in that order; answers once all have
+  arrived. From 0.33 empty lists mean the previous call's tensors; 0.34 adds ``src``.
 - ``POST /finish_weight_update`` {``weight_version``}: flip the engine to the tensors
   received (every weight of the model must have come) between two steps, labelled
   ``weight_version`` (absent: the label stays).
 
-Errors have vLLM's shape (``{"error": {...}}``); a route called out of order is a 400.
+Errors have vLLM's shape (``{"error": {...}}``) and status: a bad body is a 400, and what
+vLLM's workers refuse (an unknown key in ``init_info`` or ``update_info``, ``packed`` in
+``update_info`` among them; a route called out of order) a 500 with their message.
 """
 
 from __future__ import annotations
@@ -39,14 +44,21 @@ GROUP_TIMEOUT_S = 600.0
 """How long joining the group, or one broadcast, may wait for the trainer."""
 
 
+INIT_KEYS = {"master_address", "master_port", "rank_offset", "world_size", "nccl_unique_id_b64"}
+INIT_KEYS |= {"packed", "packed_buffer_size_bytes", "packed_num_buffers"}
+"""The worker's init info fields (vLLM's ``NCCLWeightTransferInitInfo``, 0.32-0.33)."""
+
+
 class FrontTransfer:
     """The weight-transfer routes of one ``EngineServer``: its group and held tensors."""
 
-    def __init__(self, server: EngineServer) -> None:
-        self.server = server
+    def __init__(self, server: EngineServer, version: tuple[int, int] = (0, 34)) -> None:
+        self.server, self.version = server, version
         self.group: dist.ProcessGroup | None = None
         self.held: dict[str, torch.Tensor] | None = None
         """Tensors of the version being received; None outside start … finish."""
+        self.last: list[tuple[str, torch.dtype, list[int]]] = []
+        """The tensors the last ``/update_weights`` announced (reused when it is empty)."""
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/get_world_size", self.world_size)
@@ -63,6 +75,11 @@ class FrontTransfer:
             info = (await read_json(request, empty_ok=True)).get("init_info")
             if not isinstance(info, dict):
                 raise BadRequest("Missing 'init_info' in request body")
+            keys = INIT_KEYS | ({"use_load_plan", "metadata"} if self.version >= (0, 34) else set())
+            if unknown := sorted(set(info) - keys):
+                return _invalid("init_info", unknown)
+            if info.get("packed"):
+                raise BadRequest("packed broadcasts are not implemented by this server")
             address, port = _field(info, "master_address", str), _field(info, "master_port", int)
             rank, world = _field(info, "rank_offset", int), _field(info, "world_size", int)
         except BadRequest as exc:
@@ -83,8 +100,11 @@ class FrontTransfer:
     async def start(self, request: web.Request) -> web.Response:
         if self.group is None:
             return error_response(
-                "weight transfer not initialized: POST /init_weight_transfer_engine"
+                "Weight transfer not initialized: POST /init_weight_transfer_engine", 500
             )
+        if self.held is not None:
+            why = "A weight update is already active. Call finish_weight_update first."
+            return error_response(why, 500)
         self.held = {}
         return json_response({"message": "Weight update started"})
 
@@ -93,11 +113,20 @@ class FrontTransfer:
             info = (await read_json(request, empty_ok=True)).get("update_info")
             if not isinstance(info, dict):
                 raise BadRequest("Missing 'update_info' in request body")
-            specs = _tensor_specs(info)
         except BadRequest as exc:
             return error_response(str(exc), param="update_info")
+        keys = {"names", "dtype_names", "shapes"} | ({"src"} if self.version >= (0, 34) else set())
+        if unknown := sorted(set(info) - keys):
+            return _invalid("update_info", unknown)
+        if self.version < (0, 33) and (missing := {"names", "dtype_names", "shapes"} - set(info)):
+            return _invalid("update_info", sorted(missing), "missing required argument")
+        try:
+            specs = _tensor_specs(info) or self.last  # empty: the previous tensors (0.33 on)
+        except BadRequest as exc:
+            return error_response(str(exc), 500)
         if self.group is None or self.held is None:
-            return error_response("no weight update started: POST /start_weight_update first")
+            return error_response("start_weight_update must be called before update_weights.", 500)
+        self.last = specs
         receive = self._receive
         try:
             got = await asyncio.get_running_loop().run_in_executor(None, receive, specs)
@@ -115,7 +144,8 @@ class FrontTransfer:
         except BadRequest as exc:
             return error_response(str(exc), param="weight_version")
         if self.held is None:
-            return error_response("no weight update started: POST /start_weight_update first")
+            why = "finish_weight_update called without a matching start_weight_update."
+            return error_response(why, 500)
         state, self.held = self.held, None
         try:
             await self.server.apply_weights(state, label)
@@ -140,6 +170,11 @@ class FrontTransfer:
             self.group, self.held = None, None
 
 
+def _invalid(what: str, keys: list[str], why: str = "unexpected keyword argument") -> web.Response:
+    """vLLM's answer to ``init_info`` or ``update_info`` its workers cannot take (500)."""
+    return error_response(f"Invalid {what} for NCCLWeightTransferEngine: {why} {keys}", 500)
+
+
 def _field(info: dict, key: str, kind: type):
     value = info.get(key)
     if not isinstance(value, kind) or isinstance(value, bool):
@@ -149,7 +184,8 @@ def _field(info: dict, key: str, kind: type):
 
 def _tensor_specs(info: dict) -> list[tuple[str, torch.dtype, list[int]]]:
     """(name, dtype, shape) of each tensor an ``update_info`` announces."""
-    names, dtypes, shapes = info.get("names"), info.get("dtype_names"), info.get("shapes")
+    names, dtypes = info.get("names", []), info.get("dtype_names", [])
+    shapes = info.get("shapes", [])
     if not all(isinstance(x, list) for x in (names, dtypes, shapes)):
         raise BadRequest("update_info needs the lists names, dtype_names and shapes")
     if not len(names) == len(dtypes) == len(shapes):
@@ -157,8 +193,6 @@ def _tensor_specs(info: dict) -> list[tuple[str, torch.dtype, list[int]]]:
             f"`dtype_names` and `shapes` should be of the same size as `names`: got "
             f"{len(dtypes)}, {len(shapes)} and {len(names)}"
         )
-    if info.get("packed"):
-        raise BadRequest("packed broadcasts are not implemented by this server (packed=false)")
     specs = []
     for name, dtype_name, shape in zip(names, dtypes, shapes):
         dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.engine.openai_api import (
+from asyncrl.engine.openai_protocol import (
     Completion,
     chat_completion_body,
     chat_messages,

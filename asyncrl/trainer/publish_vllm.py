@@ -26,13 +26,18 @@ deadline (its generator gave up) is refused. Nothing here waits unbounded withou
 being said: a transfer that has not ended after the generators' wait makes the next
 ``publish`` raise, as does a dead serving thread.
 
-``nccl`` is vLLM's own engine (``vllm.distributed.weight_transfer.nccl_engine``: rank 0
-joins with ``NCCLWeightTransferEngine.trainer_init`` and sends packed buffers with
-``trainer_send_weights``), so the trainer needs ``vllm`` importable and a GPU; its
-rendezvous is vLLM's ``StatelessProcessGroup``, whose TCP store carries NCCL's id in
-vLLM's own encoding (pickle), between vLLM's code on both ends. ``gloo`` is a torch group
-(``asyncrl.weights.groups``) and one broadcast per tensor: what asyncrl's front speaks,
-so this path is tested end to end on CPU.
+``nccl`` is vLLM's own code (0.32 to 0.34): rank 0 joins with
+``vllm.distributed.weight_transfer.nccl_common.trainer_init`` and sends packed buffers
+with ``packed_tensor.packed_nccl_broadcast_producer``, the calls vLLM's own
+``NCCLTrainerWeightTransferEngine`` makes, while this publisher makes the HTTP calls
+itself (the engine would make them with a client of its own, around a pause it does not
+drain). The trainer needs ``vllm`` importable and a GPU; the rendezvous is vLLM's
+``StatelessProcessGroup``, whose TCP store carries NCCL's id in vLLM's own encoding
+(pickle), between vLLM's code on both ends. ``packed`` and the buffer sizes go in
+``init_info`` (``TransferSender.wire``), where the workers read them: vLLM refuses them
+in ``update_info``. ``gloo`` is a torch group (``asyncrl.weights.groups``) and one
+broadcast per tensor: what asyncrl's front speaks, so this path is tested end to end on
+CPU.
 """
 
 from __future__ import annotations
@@ -41,17 +46,15 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
 
 import torch
-import torch.distributed as dist
 import zmq
 
 from asyncrl.engine.servers import free_port
 from asyncrl.interfaces import FullParameters
 from asyncrl.trainer.server_calls import get_control, post_control, pub_socket
+from asyncrl.trainer.transfer_senders import SENDERS, TransferSender
 from asyncrl.transport import advertised_host, bind, close_context, server_socket
-from asyncrl.weights.groups import side_group
 from asyncrl.weights.sender import new_lineage
 from asyncrl.wire import TransferAsk, TransferDone, WeightsByTransfer, WireDecoder, encode
 
@@ -60,90 +63,6 @@ log = logging.getLogger(__name__)
 TransferError = (OSError, RuntimeError, ValueError, TimeoutError)
 """What a failed HTTP call, group or broadcast raises (anything else is a bug: logged with
 its traceback, answered all the same)."""
-
-
-class TransferSender(Protocol):
-    """Rank 0's end of the group with one server's workers, built by
-    ``cls(address, port, world_size, timeout_s)`` while the server joins."""
-
-    packed: bool
-    """How ``/update_weights`` describes the tensors: packed buffers (vLLM's NCCL engine)
-    or one broadcast each."""
-
-    def send(self, state: dict[str, torch.Tensor], deadline: float) -> None:
-        """Send ``state`` in its order; raise ``TimeoutError`` at ``deadline`` (epoch s)."""
-        ...
-
-    def close(self) -> None:
-        """Leave the group (a restarted server gets a new one)."""
-        ...
-
-
-class GlooSender:
-    """Rank 0 of a torch gloo group with one server's workers: one broadcast per tensor."""
-
-    packed = False
-
-    def __init__(self, address: str, port: int, world_size: int, timeout_s: float) -> None:
-        # Both ends name the group by its port: names must be unique within a process.
-        name = f"weights_transfer_{port}"
-        self.group = side_group(address, port, 0, world_size, name, "gloo", timeout_s)
-
-    def send(self, state: dict[str, torch.Tensor], deadline: float) -> None:
-        for name, tensor in state.items():  # each bounded by the group's timeout
-            if time.time() > deadline:
-                raise TimeoutError(f"the generator's deadline passed before {name}")
-            dist.broadcast(tensor.contiguous(), src=0, group=self.group)
-
-    def close(self) -> None:
-        dist.destroy_process_group(self.group)
-
-
-class VllmNcclSender:
-    """Rank 0 of vLLM's NCCL weight-transfer group with one server's workers (GPU): joins
-    and sends with vLLM's own code, on the trainer's current CUDA device."""
-
-    packed = True
-
-    def __init__(self, address: str, port: int, world_size: int, timeout_s: float) -> None:
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
-
-        self.engine = NCCLWeightTransferEngine
-        self.device = torch.device("cuda", torch.cuda.current_device())
-        info = {"master_address": address, "master_port": port, "world_size": world_size}
-        self.group = NCCLWeightTransferEngine.trainer_init(info)
-
-    def send(self, state: dict[str, torch.Tensor], deadline: float) -> None:
-        # The copies are on the CPU (the readout gathers there); vLLM's communicator
-        # broadcasts from its own device. "packed" matches update_info's.
-        to_device = lambda item: item[1].to(self.device, non_blocking=True)  # noqa: E731
-        args = {"group": self.group, "packed": True, "post_iter_func": to_device}
-        failed: list[BaseException] = []
-
-        def send() -> None:
-            torch.cuda.set_device(self.device)
-            try:
-                self.engine.trainer_send_weights(iter(state.items()), args)
-                torch.cuda.synchronize(self.device)
-            except BaseException as e:
-                failed.append(e)
-
-        # NCCL has no timeout, and vLLM's sender waits on its streams inside: a peer that
-        # never receives hangs it, so it runs on a thread of its own, left behind at the
-        # deadline (the group is dropped, and publish raises once it has hung too long).
-        thread = threading.Thread(target=send, name="nccl-send", daemon=True)
-        thread.start()
-        thread.join(max(0.0, deadline - time.time()))
-        if thread.is_alive():
-            raise TimeoutError("the NCCL broadcast did not complete by the deadline")
-        if failed:
-            raise RuntimeError(f"the NCCL broadcast failed: {failed[0]}") from failed[0]
-
-    def close(self) -> None:
-        self.group = None  # vLLM's communicator has no explicit teardown
-
-
-SENDERS: dict[str, type[TransferSender]] = {"gloo": GlooSender, "nccl": VllmNcclSender}
 
 
 class VllmTransferPublisher:
@@ -292,6 +211,7 @@ class VllmTransferPublisher:
         workers = int(get_control(url, "/get_world_size", self._left(deadline))["world_size"])
         port, world = free_port(), 1 + workers
         info = {"master_address": self.host, "master_port": port, "rank_offset": 1}
+        info |= self.sender_cls.wire()
         with ThreadPoolExecutor(1) as pool:
             # The server's call returns once its workers have joined: rank 0 joins meanwhile.
             call = pool.submit(
@@ -321,11 +241,8 @@ class VllmTransferPublisher:
             "names": list(state),
             "dtype_names": [str(t.dtype).removeprefix("torch.") for t in state.values()],
             "shapes": [list(t.shape) for t in state.values()],
-            "packed": sender.packed,
         }
-        # vLLM's example sends is_checkpoint_format (HF names); 0.33's route reads no body.
-        start = {"is_checkpoint_format": True}
-        post_control(url, "/start_weight_update", start, self._left(deadline))
+        post_control(url, "/start_weight_update", {}, self._left(deadline))
         self.touched = True  # from here the server may hold part of the new weights
         with ThreadPoolExecutor(1) as pool:
             # The server receives in the order of ``names`` while rank 0 sends.
