@@ -85,6 +85,16 @@ def vllm_models(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
+def real_vllm_url(vllm_models, tmp_path_factory):
+    """One real vLLM server on the tied Qwen2 for the session (``tests/real_vllm.py``):
+    a test that changes its weights, label or pause state puts them back."""
+    from .real_vllm import vllm_server
+
+    with vllm_server(vllm_models["qwen-tied"], tmp_path_factory.mktemp("vllm")) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
 def dist_info(tmp_path_factory):
     """A one-rank gloo process group for in-process trainer cores (joined once; every
     later ``init_distributed`` in this process reuses it)."""

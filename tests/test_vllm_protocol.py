@@ -30,7 +30,7 @@ from asyncrl.engine.vllm_client import check_version, parse_version
 from asyncrl.models import ModelConfig, load_model
 from asyncrl.trainer.logprobs import token_logprobs
 
-from .real_vllm import real_vllm, vllm_server
+from .real_vllm import real_vllm
 from .sglang_client import Api, Server, free_port, run, wait_healthy
 from .test_remote_engine import perturbed_weights
 
@@ -49,11 +49,10 @@ def front(model_dir: str, port: int, version: str) -> list[str]:
 )
 def server(request, vllm_models, tmp_path_factory):
     kind, model_dir = request.param, vllm_models["qwen-tied"]
-    log_dir = tmp_path_factory.mktemp("server")
     if kind == "vllm":
-        with vllm_server(model_dir, log_dir) as url:
-            yield Server(kind, url, model_dir, 1e-3)
+        yield Server(kind, request.getfixturevalue("real_vllm_url"), model_dir, 1e-3)
         return
+    log_dir = tmp_path_factory.mktemp("server")
     port, log_path = free_port(), log_dir / f"{kind}.log"
     with open(log_path, "w") as log:
         cmd = front(model_dir, port, kind.removeprefix("front-"))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import logging
 import os
 import shutil
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from asyncrl.engine.base import ServerFailed
 from asyncrl.engine.config import RemoteEngineConfig
@@ -336,12 +337,34 @@ def write_weights_dir(state: Mapping[str, torch.Tensor], model_path: str, out_di
     tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     plain.save_pretrained(tmp)
+    _name_tied_weights(plain, shared, tmp)
     if (src / "generation_config.json").exists():
         shutil.copy(src / "generation_config.json", tmp / "generation_config.json")
     load_tokenizer(src).save_pretrained(tmp)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
     return out_dir
+
+
+TIED_FILE = "tied.safetensors"
+"""Where ``write_weights_dir`` puts a tied weight under its second name (the LM head)."""
+
+
+def _name_tied_weights(model: torch.nn.Module, names: set[str], out_dir: Path) -> None:
+    """Write each tied weight under its second name as well (``lm_head.weight``), in
+    ``TIED_FILE`` and the index of a sharded checkpoint. transformers leaves it out and
+    ties the two again on load; vLLM's ``reload_weights`` (0.32) refills the input
+    embedding in place but leaves the LM head tied to it on the old weights unless the
+    checkpoint names the head: its samples would come from a head one version behind."""
+    if not names:
+        return
+    tensors = {name: model.get_parameter(name).detach().contiguous() for name in sorted(names)}
+    save_file(tensors, str(out_dir / TIED_FILE), metadata={"format": "pt"})
+    index = out_dir / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"].update(dict.fromkeys(tensors, TIED_FILE))
+        index.write_text(json.dumps(data, indent=2))
 
 
 def read_weights_dir(path: str | Path) -> dict[str, torch.Tensor]:

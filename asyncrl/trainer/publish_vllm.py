@@ -65,6 +65,29 @@ TransferError = (OSError, RuntimeError, ValueError, TimeoutError)
 its traceback, answered all the same)."""
 
 
+def init_info(host: str, port: int, world_size: int, wire: dict) -> dict:
+    """``/init_weight_transfer_engine``'s ``init_info`` (vLLM's worker-side
+    ``NCCLWeightTransferInitInfo``): the rendezvous, the server's workers after rank 0,
+    and the wire's packing (``TransferSender.wire``)."""
+    return {
+        "master_address": host,
+        "master_port": port,
+        "rank_offset": 1,
+        "world_size": world_size,
+        **wire,
+    }
+
+
+def update_info(state: dict[str, torch.Tensor]) -> dict:
+    """``/update_weights``' ``update_info`` (vLLM's ``NCCLWeightTransferUpdateInfo``): each
+    tensor's name, dtype name and shape, in the order rank 0 sends them."""
+    return {
+        "names": list(state),
+        "dtype_names": [str(t.dtype).removeprefix("torch.") for t in state.values()],
+        "shapes": [list(t.shape) for t in state.values()],
+    }
+
+
 class VllmTransferPublisher:
     """Trainer rank 0's ``WeightPublisher`` for vLLM's weight transfer (module docstring)."""
 
@@ -210,15 +233,14 @@ class VllmTransferPublisher:
             return self.senders[url]
         workers = int(get_control(url, "/get_world_size", self._left(deadline))["world_size"])
         port, world = free_port(), 1 + workers
-        info = {"master_address": self.host, "master_port": port, "rank_offset": 1}
-        info |= self.sender_cls.wire()
+        info = init_info(self.host, port, world, self.sender_cls.wire())
         with ThreadPoolExecutor(1) as pool:
             # The server's call returns once its workers have joined: rank 0 joins meanwhile.
             call = pool.submit(
                 post_control,
                 url,
                 "/init_weight_transfer_engine",
-                {"init_info": {**info, "world_size": world}},
+                {"init_info": info},
                 self._left(deadline),
             )
             sender = None
@@ -237,11 +259,7 @@ class VllmTransferPublisher:
     def _send(
         self, sender: TransferSender, url: str, version: int, state: dict, deadline: float
     ) -> None:
-        info = {
-            "names": list(state),
-            "dtype_names": [str(t.dtype).removeprefix("torch.") for t in state.values()],
-            "shapes": [list(t.shape) for t in state.values()],
-        }
+        info = update_info(state)
         post_control(url, "/start_weight_update", {}, self._left(deadline))
         self.touched = True  # from here the server may hold part of the new weights
         with ThreadPoolExecutor(1) as pool:
