@@ -52,6 +52,16 @@ class TinyModelConfig:
     """Longest sequence (prompt + completion) the model supports."""
     seed: int = 0
     """Seed of the random initialisation."""
+    tokenizer: Literal["char", "qwen", "llama"] = "char"
+    """``char``: one token per character of the task's text (the smallest embedding);
+    ``qwen`` / ``llama``: a byte-level BPE of that family trained on the task's text,
+    with its special tokens and chat template (``asyncrl.chat_tokenizers``), for
+    ``task.prompt_format="chat"`` and for servers that need a real tokenizer. The BPE
+    model is the family's architecture (``asyncrl.shapes.build_tiny_bpe_model``)."""
+    bpe_vocab: int = 512
+    """Tokens a BPE tokenizer trains (256 bytes and the merges; ``qwen``/``llama``)."""
+    tie_embeddings: bool = False
+    """The LM head is the input embedding (as in the small Qwen and Llama releases)."""
 
 
 @dataclass

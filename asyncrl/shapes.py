@@ -39,6 +39,7 @@ from transformers import (
 )
 
 from asyncrl.chat_tokenizers import FAMILIES, Family, build_bpe_tokenizer, save_tokenizer
+from asyncrl.models import TinyModelConfig
 
 
 @dataclass(frozen=True)
@@ -316,6 +317,40 @@ def random_init_model(config: PretrainedConfig, seed: int, dtype: torch.dtype) -
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, type(module)(config=config))
     return model
+
+
+def build_tiny_bpe_model(out_dir: str | Path, texts: Iterable[str], spec: TinyModelConfig) -> Path:
+    """A random-init model of ``spec``'s size in its tokenizer family's architecture (Qwen2
+    for ``qwen``, Llama for ``llama``) with a BPE tokenizer of that family trained on
+    ``texts``, written to ``out_dir`` whole or not at all; returns it."""
+    family: Family = spec.tokenizer
+    tokenizer = build_bpe_tokenizer(family, texts, spec.bpe_vocab)
+    shape = ModelShape(
+        name="tiny",
+        model_type="qwen2" if family == "qwen" else "llama",
+        family=family,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_layers=spec.num_layers,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.hidden_size // spec.num_heads,
+        vocab_size=-(-len(tokenizer) // 64) * 64,  # rows rounded up, as releases do
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=spec.max_positions,
+        params=0,
+        tie_word_embeddings=spec.tie_embeddings,
+    )
+    model = random_init_model(hf_config(shape, tokenizer), spec.seed, torch.float32)
+    model.generation_config = generation_config(tokenizer, family)
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    save_tokenizer(tokenizer, tmp)
+    os.replace(tmp, out_dir)
+    return out_dir
 
 
 def meta_param_count(config: PretrainedConfig) -> int:

@@ -24,9 +24,8 @@ from asyncrl.algorithms.losses import PPOLossConfig
 from asyncrl.buffer.config import BufferConfig
 from asyncrl.buffer.rewards import RewardConfig
 from asyncrl.config import load_experiment
-from asyncrl.engine.config import EngineConfig
+from asyncrl.engine.config import EngineConfig, RemoteEngineConfig
 from asyncrl.engine.embedded import EmbeddedEngineConfig
-from asyncrl.engine.servers import RemoteEngineConfig
 from asyncrl.evaluation import EvalConfig
 from asyncrl.models import ModelConfig
 from asyncrl.rollout import SamplingConfig

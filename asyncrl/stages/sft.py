@@ -31,6 +31,7 @@ from asyncrl.evaluation import (
 )
 from asyncrl.metrics import MetricsConfig, MetricsLogger
 from asyncrl.models import ModelConfig, build_tiny_model, load_tokenizer
+from asyncrl.shapes import build_tiny_bpe_model
 from asyncrl.stages.common import (
     ProcessSpec,
     out_of_time,
@@ -134,12 +135,15 @@ class SFTData:
 
 
 def build_model_for_task(path: str | Path, task: Task, cfg: ModelConfig) -> Path:
-    """A tiny random-init model whose char tokenizer covers every character of the task."""
+    """A tiny random-init model whose tokenizer is made from the task's text: characters
+    (each one the task has), or a family's BPE trained on it (``cfg.tiny.tokenizer``)."""
     texts = [
         ex.prompt + (ex.completion or "")
         for split in ("train", "eval")
         for ex in task.examples(split)
     ]
+    if cfg.tiny.tokenizer != "char":
+        return build_tiny_bpe_model(path, texts, cfg.tiny)
     return build_tiny_model(path, texts, cfg.tiny)
 
 
