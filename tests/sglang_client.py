@@ -1,20 +1,25 @@
-"""Helpers of the sglang protocol suite (``test_sglang_protocol.py``): launching a
-server, a thin aiohttp client that checks sglang's SSE framing, and shared checks."""
+"""Helpers of the sglang suites (``test_sglang_protocol.py``, ``test_sglang_wheels.py``,
+``test_remote_engine.py``): launching a server, a thin aiohttp client that checks
+sglang's SSE framing, shared checks, and ``serving`` for the stub servers those suites
+build to stand in for a release of sglang."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+from aiohttp import web
 
 
 @dataclass
@@ -62,6 +67,31 @@ def server_command(kind: str, model_dir: str, port: int) -> list[str]:
         "--context-length",
         "128",
     ]
+
+
+@contextlib.contextmanager
+def serving(app: web.Application) -> Iterator[str]:
+    """Serve ``app`` on a free port from an event loop of its own thread (so synchronous
+    callers, such as the trainer's publishers, can call it); yields its URL."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    runner = web.AppRunner(app)
+
+    async def start() -> int:
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        return runner.addresses[0][1]
+
+    port = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, timeout: float) -> None:

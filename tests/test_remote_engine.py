@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import zmq
+from aiohttp import web
 
 from asyncrl.config import ConfigError, apply_overrides, load_json, save_json
 from asyncrl.engine import sglang_api as api
@@ -32,10 +33,12 @@ from asyncrl.metrics import read_metrics
 from asyncrl.models import ModelConfig, load_model, load_tokenizer
 from asyncrl.seeds import derive_seed
 from asyncrl.stages.rl import RLExperiment
-from asyncrl.trainer.publish import DiskWeightPublisher, NcclWeightPublisher
+from asyncrl.trainer.publish import DiskWeightPublisher
+from asyncrl.trainer.publish_sglang import NcclWeightPublisher
 from asyncrl.transport import TransportConfig, make_socket, read_endpoints
 from asyncrl.wire import WeightsAnnounce, WeightsOnDisk, WireDecoder
 
+from .sglang_client import serving
 from .test_stops import first_stop
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -334,7 +337,8 @@ def test_sglang_protocol_reading():
     assert api.finish_reason({"type": "length", "length": 4}, {2}) == ("length", False)
     assert api.finish_reason({"type": "abort", "message": "paused"}, {2}) == ("abort", False)
     assert api.finish_reason({"type": "abort", "status_code": 400}, {2}) == ("abort", True)
-    payload = api.generate_payload("r", [1, 2], SamplingParams(top_k=0, seed=3), 5)
+    seeded, unseeded = api.SglangServer((0, 5, 23), True), api.SglangServer((0, 5, 23))
+    payload = api.generate_payload("r", [1, 2], SamplingParams(top_k=0, seed=3), 5, seeded)
     assert payload["sampling_params"] == {
         "max_new_tokens": 5,
         "temperature": 1.0,
@@ -342,17 +346,54 @@ def test_sglang_protocol_reading():
         "sampling_seed": derive_seed(3, 2),  # keyed by the attempt's start
     }
     assert payload["stream"] and payload["return_logprob"]
-    stops = SamplingParams(stop=["\n\n"], stop_token_ids=[4])
-    assert api.generate_payload("r", [1], stops, 5)["sampling_params"] == {
+    stops = SamplingParams(stop=["\n\n"], stop_token_ids=[4], top_k=5, seed=3)
+    assert api.generate_payload("r", [1], stops, 5, unseeded)["sampling_params"] == {
         "max_new_tokens": 5,
         "temperature": 1.0,
         "top_p": 1.0,
+        "top_k": 5,
         "stop_token_ids": [4],
         "stop": ["\n\n"],
     }
     assert api.finish_reason({"type": "stop", "matched": "\n\n"}, {2}) == ("stop", False)
     assert api.matched_stop({"type": "stop", "matched": "\n\n"}) == "\n\n"
     assert api.matched_stop({"type": "stop", "matched": 2}) is None
+
+
+def test_supported_sglang_versions():
+    """``/server_info``'s ``version`` decides: 0.5.0 to 0.5.23 are driven, any other is
+    refused naming the server, its version and the range; seeds go only to a server in
+    sglang's deterministic mode; weight-update sessions from 0.5.21."""
+    for ok in ("0.5.0", "0.5.10", "0.5.21.post1", "v0.5.23", "0.5.9rc0"):
+        api.check_version("http://x:1", ok)
+    for bad in ("0.4.9", "0.5.24", "0.6.0", "1.0.0", "asyncrl-embedded", None):
+        with pytest.raises(RuntimeError, match="0.5.0 to 0.5.23") as info:
+            api.check_version("http://x:1", bad)
+        assert "http://x:1" in str(info.value) and repr(bad) in str(info.value)
+    old = api.read_server("u", {"version": "0.5.20", "enable_deterministic_inference": True})
+    new = api.read_server("u", {"version": "0.5.21", "enable_deterministic_inference": False})
+    assert old.seeded and not old.weight_sessions
+    assert new.weight_sessions and not new.seeded
+
+
+def test_an_sglang_server_of_an_unsupported_version_is_refused(tiny_model_dir):
+    """Attaching reads ``GET /server_info`` first (sglang has no ``/version``)."""
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def server_info(request: web.Request) -> web.Response:
+        return web.json_response({"version": "0.5.24"})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/server_info", server_info)
+    with serving(app) as url:
+        cfg = RemoteEngineConfig(urls=[url], server="sglang", threads=1, startup_timeout_s=30)
+        with pytest.raises(RuntimeError) as info:
+            RemoteEngine(tiny_model_dir, cfg)
+    message = str(info.value)
+    assert url in message and "'0.5.24'" in message and "0.5.0 to 0.5.23" in message
 
 
 def test_disk_publisher_writes_loadable_versions_and_prunes(tiny_model_dir, tmp_path):

@@ -12,6 +12,7 @@ import contextlib
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 import threading
@@ -26,7 +27,7 @@ from aiohttp import web
 from asyncrl.engine.base import Request, SamplingParams
 from asyncrl.engine.config import RemoteEngineConfig
 from asyncrl.engine.remote import RemoteEngine
-from asyncrl.engine.servers import server_command, server_env
+from asyncrl.engine.servers import VLLM_CPU_KV_GB, server_command, server_env
 from asyncrl.engine.vllm_api import FRONT_VLLM
 from asyncrl.engine.vllm_client import (
     TESTED_VLLM,
@@ -361,12 +362,24 @@ def test_a_server_of_an_unsupported_vllm_version_is_refused(tiny_model_dir):
 
 
 def test_vllm_launch_settings(tiny_model_dir, monkeypatch):
-    """A launched vLLM gets the logprobs the trainer recomputes, its RL routes (dev mode),
-    its share of GPU memory, and GPUs from ``index * tp_size``; with NCCL updates, vLLM's
-    NCCL weight-transfer engine."""
+    """A launched vLLM is its OpenAI server module (``vllm serve`` fails in the CPU build,
+    named ``vllm-cpu``) run by its own interpreter, and gets the logprobs the trainer
+    recomputes, its RL routes (dev mode), its share of GPU memory, and GPUs from ``index
+    * tp_size``; with NCCL updates, vLLM's NCCL weight-transfer engine; without a GPU, a
+    bounded KV cache."""
     cfg = RemoteEngineConfig(server="vllm", tp_size=2, mem_fraction_static=0.3, max_seq_len=64)
-    cmd = server_command(cfg, tiny_model_dir, 31000, 1, 0)
-    assert cmd[1:4] == ["-m", "vllm.entrypoints.cli.main", "serve"]
+    cmd = server_command(replace(cfg, python="/venvs/vllm/bin/python"), tiny_model_dir, 31000, 1, 0)
+    assert cmd[:4] == [
+        "/venvs/vllm/bin/python",
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+    ]
+    assert "--dtype" not in cmd
+    assert server_command(replace(cfg, dtype="float32"), tiny_model_dir, 1, 0, 0)[-2:] == [
+        "--dtype",
+        "float32",
+    ]
     joined = " ".join(cmd)
     assert "--logprobs-mode processed_logprobs" in joined and "--port 31000" in joined
     assert "--gpu-memory-utilization 0.3" in joined and "--max-model-len 64" in joined
@@ -376,6 +389,11 @@ def test_vllm_launch_settings(tiny_model_dir, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     env = server_env(cfg, 1)
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["CUDA_VISIBLE_DEVICES"] == "6,7"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env or os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert server_env(cfg, 0)["VLLM_CPU_KVCACHE_SPACE"] == VLLM_CPU_KV_GB
     assert server_env(RemoteEngineConfig(server="sglang"), 0) is None
 
 

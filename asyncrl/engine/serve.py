@@ -1,27 +1,30 @@
 """An sglang-compatible HTTP server in front of the embedded engine.
 
-asyncrl drives sglang over its native HTTP API; this server speaks the same API (sglang
-0.5.x) on top of ``EmbeddedEngine``, so the sglang client runs and is tested on machines
-without a GPU, and runs unchanged against a real sglang server. Start it with
+asyncrl drives sglang over its native HTTP API; this server speaks the same API on top
+of ``EmbeddedEngine``, answering as one sglang release (``--sglang-version``, default
+0.5.23, the newest the client supports), so the sglang client runs and is tested on
+machines without a GPU, and runs unchanged against a real sglang server. Start it with
 
     python -m asyncrl.engine.serve --model DIR --port 30000
 
 This module is the HTTP layer (aiohttp) and the entry point. ``serve_engine.EngineServer``
 owns the engine and the task that steps it, so requests from every connection batch
-together; ``serve_protocol`` parses ``/generate`` bodies and shapes the responses, and
-``openai_api`` adds OpenAI's endpoints on the same engine.
+together; ``serve_protocol`` parses ``/generate`` bodies and shapes the responses;
+``sglang_routes`` has sglang's other routes, and ``openai_api`` adds OpenAI's endpoints
+on the same engine.
 
-Endpoints (sglang's names and shapes; see serve_protocol for ``/generate``):
-``POST /generate``, ``POST /abort_request`` (``rid`` or ``abort_all``),
-``POST /pause_generation``, ``POST /continue_generation``, ``POST
-/update_weights_from_disk``, ``GET /get_weight_version``, ``GET /get_model_info``,
-``GET /get_server_info``, ``GET /health`` and ``/health_generate``, ``GET|POST
+Endpoints (sglang's names and shapes): ``POST /generate`` (``serve_protocol``), and
+(``sglang_routes``) ``POST /abort_request`` (``rid``, matched by prefix as sglang does,
+or ``abort_all``), ``POST /pause_generation``, ``POST /continue_generation``, ``POST
+/update_weights_from_disk``, ``GET /model_info``, ``GET /server_info`` (``version``),
+their deprecated ``/get_`` aliases, ``GET /health`` and ``/health_generate``, ``GET|POST
 /flush_cache``, ``POST /slow_down``; and OpenAI's (vLLM's flavour, see
 ``asyncrl.engine.openai_api``): ``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``GET /v1/models``; and vLLM's RL routes (``asyncrl.engine.vllm_api``): ``GET /version``,
 ``POST /pause``, ``/resume``, ``/abort_requests``, ``/collective_rpc`` (reload_weights),
 ``/update_weight_version``, ``GET /weight_info``, ``/is_paused``, and vLLM's weight
-transfer over gloo (``asyncrl.engine.vllm_transfer``).
+transfer over gloo (``asyncrl.engine.vllm_transfer``). ``GET /server_info`` answers
+sglang's keys and vLLM's in one object.
 
 Where this server departs from sglang, and why:
 
@@ -43,9 +46,14 @@ Where this server departs from sglang, and why:
 - Stop strings are looked for in the completion decoded with special tokens skipped
   (vLLM's way; sglang's check sees their text too), so a special token is stopped at
   with ``stop_token_ids``, never with a string.
+- An unknown ``sampling_params`` key (vLLM's ``seed``) is a 400 naming it; sglang
+  answers 500 (its ``SamplingParams(**keys)`` raises a TypeError it does not catch).
 - Not implemented: batch requests (a list of prompts), stop regexes, ``ignore_eos``,
   penalties, prompt and top logprobs, ``max_new_tokens=0`` (all answered with 400);
-  weights load from ``*.safetensors`` only (``load_format`` is ignored).
+  weights load from ``*.safetensors`` only (``load_format`` is ignored); sglang's
+  distributed weight updates (``/init_weights_update_group``,
+  ``/update_weights_from_distributed``, and the ``/begin_weight_update`` …
+  ``/end_weight_update`` session 0.5.21 requires around them): 404.
 """
 
 from __future__ import annotations
@@ -60,9 +68,10 @@ import msgspec
 from aiohttp import web
 
 from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from asyncrl.engine.openai_api import OpenAIApi
+from asyncrl.engine.openai_api import OpenAIApi, json_response
 from asyncrl.engine.serve_engine import EngineServer, Flight
 from asyncrl.engine.serve_protocol import BadRequest, parse_generate, read_json
+from asyncrl.engine.sglang_routes import FRONT_SGLANG, SglangRoutes
 from asyncrl.engine.vllm_api import FRONT_VLLM, VllmApi
 
 log = logging.getLogger("asyncrl.serve")
@@ -72,20 +81,8 @@ log = logging.getLogger("asyncrl.serve")
 SERVER: web.AppKey[EngineServer] = web.AppKey("server", EngineServer)
 
 
-def _json(obj: object, status: int = 200) -> web.Response:
-    return web.Response(
-        body=msgspec.json.encode(obj), status=status, content_type="application/json"
-    )
-
-
 def _generate_error(message: str) -> web.Response:
-    return _json({"error": {"message": message}}, 400)  # sglang's shape for /generate
-
-
-def _body_error(message: str) -> web.Response:
-    # sglang's shape for a request body that fails validation (FastAPI's, made a 400).
-    body = {"object": "error", "message": message, "type": "Bad Request", "param": None}
-    return _json({**body, "code": 400}, 400)
+    return json_response({"error": {"message": message}}, 400)  # sglang's shape for /generate
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -101,13 +98,13 @@ async def generate(request: web.Request) -> web.StreamResponse:
     except BadRequest as exc:
         return _generate_error(str(exc))
     except RuntimeError as exc:  # the engine failed: /health reads 503 too
-        return _json({"error": {"message": str(exc)}}, 503)
+        return json_response({"error": {"message": str(exc)}}, 503)
     try:
         if not inp.stream:
             while flight.gen.finish_reason is None:
                 await flight.changed.wait()
                 flight.changed.clear()
-            return _json(server.response(flight))
+            return json_response(server.response(flight))
         return await _stream(request, server, flight)
     finally:
         if flight.gen.finish_reason is None:  # the client went away
@@ -136,133 +133,35 @@ async def _stream(request: web.Request, server: EngineServer, flight: Flight) ->
     return response
 
 
-async def abort_request(request: web.Request) -> web.Response:
-    server = request.app[SERVER]
-    try:
-        body = await read_json(request)
-    except BadRequest as exc:
-        return _body_error(str(exc))
-    rid, abort_all = body.get("rid") or "", body.get("abort_all", False)
-    if not isinstance(rid, str) or not isinstance(abort_all, bool):
-        return _body_error("rid must be a string and abort_all a boolean")
-    if abort_all:
-        await server.abort_all()
-    elif rid:
-        await server.abort(rid)  # an unknown or finished rid is ignored, as in sglang
-    return web.Response(status=200)
+def _server_info(sglang: SglangRoutes, vllm: VllmApi):
+    """``GET /server_info``, which sglang and vLLM both serve: one object with both
+    answers (their keys differ), sglang's server arguments and ``version``, vLLM's
+    ``vllm_config``. sglang's deprecated ``/get_server_info`` is the same."""
+
+    async def server_info(request: web.Request) -> web.Response:
+        vllm_info = msgspec.json.decode((await vllm.server_info(request)).body)
+        return json_response({**vllm_info, **sglang.server_info_body()})
+
+    return server_info
 
 
-async def pause_generation(request: web.Request) -> web.Response:
-    try:
-        mode = (await read_json(request, empty_ok=True)).get("mode", "abort")
-    except BadRequest as exc:
-        return _body_error(str(exc))
-    if mode not in ("abort", "retract", "in_place"):
-        return _body_error(f"mode must be one of abort, retract, in_place; got {mode!r}")
-    await request.app[SERVER].pause(mode)
-    return _json({"message": "Generation paused successfully.", "status": "ok"})
-
-
-async def continue_generation(request: web.Request) -> web.Response:
-    await request.app[SERVER].resume()
-    return _json({"message": "Generation continued successfully.", "status": "ok"})
-
-
-async def update_weights_from_disk(request: web.Request) -> web.Response:
-    server = request.app[SERVER]
-    try:
-        body = await read_json(request)
-    except BadRequest as exc:
-        return _body_error(str(exc))
-    path, label = body.get("model_path"), body.get("weight_version")
-    if not isinstance(path, str) or (label is not None and not isinstance(label, str)):
-        return _body_error(f"model_path and weight_version must be strings: {body!r:.200}")
-    if body.get("abort_all_requests"):
-        await server.abort_all("Aborted by /update_weights_from_disk")
-    try:
-        await server.update_weights(path, label)
-    except (ValueError, OSError, RuntimeError) as exc:  # as sglang: a failure is a 400
-        failure = {"success": False, "message": f"Failed to update weights: {exc}"}
-        return _json({**failure, "num_paused_requests": 0}, 400)
-    message = "Succeeded to update model weights."
-    if label is not None:
-        message += f" Weight version updated to {label}."
-    log.info("weights from %s, version %s", path, server.weight_version)
-    return _json({"success": True, "message": message, "num_paused_requests": 0})
-
-
-async def get_weight_version(request: web.Request) -> web.Response:
-    return _json({"weight_version": request.app[SERVER].weight_version})
-
-
-async def get_model_info(request: web.Request) -> web.Response:
-    server = request.app[SERVER]
-    return _json(
-        {
-            "model_path": server.model_path,
-            "tokenizer_path": server.tokenizer_path,
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "weight_version": server.weight_version,
-        }
-    )
-
-
-async def get_server_info(request: web.Request) -> web.Response:
-    server = request.app[SERVER]
-    stats = {**server.engine.status().metrics, "paused": server.paused}
-    return _json(
-        {
-            "model_path": server.model_path,
-            "tokenizer_path": server.tokenizer_path,
-            "max_running_requests": server.engine.cfg.max_slots,
-            "context_length": server.engine.max_seq_len,
-            "weight_version": server.weight_version,
-            "internal_states": [stats],
-            "version": "asyncrl-embedded",
-        }
-    )
-
-
-async def health(request: web.Request) -> web.Response:
-    return web.Response(status=200 if request.app[SERVER].healthy else 503)
-
-
-async def flush_cache(request: web.Request) -> web.Response:
-    # The embedded engine keeps no prefix cache between requests: nothing to flush.
-    return web.Response(text="Cache flushed.\n")
-
-
-async def slow_down(request: web.Request) -> web.Response:
-    try:
-        seconds = (await read_json(request)).get("forward_sleep_time")
-    except BadRequest as exc:
-        return _body_error(str(exc))
-    if seconds is not None and (not isinstance(seconds, int | float) or seconds < 0):
-        return _body_error(f"forward_sleep_time must be a number >= 0 or null, got {seconds!r}")
-    request.app[SERVER].sleep_after_step = float(seconds or 0.0)
-    return _json(None)
-
-
-def build_app(server: EngineServer, vllm_version: str = FRONT_VLLM) -> web.Application:
-    """The front's routes; vLLM's as release ``vllm_version`` answers them."""
+def build_app(
+    server: EngineServer, vllm_version: str = FRONT_VLLM, sglang_version: str = FRONT_SGLANG
+) -> web.Application:
+    """The front's routes; sglang's as release ``sglang_version`` answers them, vLLM's as
+    ``vllm_version``."""
     app = web.Application(client_max_size=256 * 1024**2)
     app[SERVER] = server
     app.router.add_post("/generate", generate)
     app.router.add_put("/generate", generate)
-    app.router.add_post("/abort_request", abort_request)
-    app.router.add_post("/pause_generation", pause_generation)
-    app.router.add_post("/continue_generation", continue_generation)
-    app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
-    app.router.add_get("/get_weight_version", get_weight_version)
-    app.router.add_get("/get_model_info", get_model_info)
-    app.router.add_get("/get_server_info", get_server_info)
-    app.router.add_get("/health", health)
-    app.router.add_get("/health_generate", health)
-    app.router.add_route("*", "/flush_cache", flush_cache)
-    app.router.add_post("/slow_down", slow_down)
+    sglang, vllm = SglangRoutes(server, sglang_version), VllmApi(server, vllm_version)
+    sglang.add_routes(app)
+    # Before vLLM's own /server_info: aiohttp serves the first route added for a path.
+    info = _server_info(sglang, vllm)
+    app.router.add_get("/server_info", info)
+    app.router.add_get("/get_server_info", info)
     OpenAIApi(server, vllm_version).add_routes(app)
-    VllmApi(server, vllm_version).add_routes(app)  # vLLM's RL routes: /version, /pause, ...
+    vllm.add_routes(app)  # vLLM's RL routes: /version, /pause, ...
     return app
 
 
@@ -285,6 +184,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the vLLM release whose API the vLLM routes answer as (0.32: requests wait out a "
         "pause, no weight_versions; 0.33 on: 503 while paused, weight_versions)",
     )
+    p.add_argument(
+        "--sglang-version",
+        default=FRONT_SGLANG,
+        help="the sglang release whose API the sglang routes answer as (/server_info's "
+        "version; before 0.5.21 /get_weight_version answers 404 with a pointer)",
+    )
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 
@@ -300,7 +205,7 @@ async def serve(args: argparse.Namespace) -> int:
     )
     engine = EmbeddedEngine(args.model, cfg)
     server = EngineServer(engine, args.model, args.weight_version)
-    app = build_app(server, args.vllm_version)
+    app = build_app(server, args.vllm_version, args.sglang_version)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()

@@ -130,9 +130,15 @@ class EngineServer:
             self._finish(flight, finish_reason_json("abort", None, 0, message, status))
 
     def _abort_command(self, rid: str, message: str) -> Callable[[], None]:
+        """sglang's abort of ``rid``: nothing unless a request of exactly that rid is in
+        flight (its tokenizer manager's check); then that request and every one whose rid
+        starts with ``rid`` (its scheduler matches by prefix)."""
+
         def command() -> None:
             if rid in self.flights:
-                self._abort_now(self.flights[rid], message)
+                for other, flight in list(self.flights.items()):
+                    if other.startswith(rid):
+                        self._abort_now(flight, message)
 
         return command
 

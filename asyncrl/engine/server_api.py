@@ -103,13 +103,28 @@ class ServerApi(Protocol):
 
 
 class SglangServerApi:
-    """sglang's native API (0.5.x), and asyncrl's sglang-compatible front."""
+    """sglang's native API (0.5.0 to 0.5.23, by version: ``asyncrl.engine.sglang_api``),
+    and asyncrl's sglang-compatible front."""
 
     def __init__(self, eos_ids: set[int]) -> None:
         self.eos_ids = eos_ids
+        self.servers: dict[str, api.SglangServer] = {}
+        """What each server is (its version, whether it applies seeds), by URL."""
 
     async def attach(self, session: aiohttp.ClientSession, state: ServerState) -> None:
-        info = await get_json(session, state.server.url, "/get_model_info")
+        """``/server_info`` (refused outside the supported versions), then the weights
+        label from ``/model_info``."""
+        url = state.server.url
+        server = api.read_server(url, await get_json(session, url, "/server_info"))
+        if not server.seeded and url not in self.servers:
+            log.warning(
+                "the sglang server at %s runs without --enable-deterministic-inference, so "
+                "it ignores sampling_seed: its requests are sampled without seeds and are "
+                "not reproducible",
+                url,
+            )
+        self.servers[url] = server
+        info = await get_json(session, url, "/model_info")
         state.version = api.as_version(info.get("weight_version"), state.version)
 
     async def generate(
@@ -118,10 +133,14 @@ class SglangServerApi:
         """One streaming ``/generate``. A token's version is the server's report (per token
         from asyncrl's front, per chunk from sglang: exact, since an update first ends
         every request in flight)."""
-        payload = api.generate_payload(
-            attempt.rid, attempt.input_ids, attempt.params, attempt.max_new_tokens
-        )
         url, seen, end = state.server.url, 0, AttemptEnd(None)
+        payload = api.generate_payload(
+            attempt.rid,
+            attempt.input_ids,
+            attempt.params,
+            attempt.max_new_tokens,
+            self.servers[url],
+        )
         async with session.post(f"{url}/generate", json=payload) as resp:
             if resp.status != 200:
                 text = (await resp.text())[:300]
@@ -146,6 +165,8 @@ class SglangServerApi:
         return end
 
     async def abort(self, session: aiohttp.ClientSession, url: str, rid: str) -> None:
+        """sglang aborts the request of exactly ``rid`` and every one whose rid starts with
+        it: the engine's are prefix-free (``remote_requests.server_rid``)."""
         await post_json(session, url, "/abort_request", {"rid": rid})  # the stream ends "abort"
 
     async def load_weights(

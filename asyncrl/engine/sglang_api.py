@@ -1,14 +1,18 @@
-"""What the remote engine sends to and reads from sglang's native HTTP API (0.5.x).
+"""What the remote engine sends to and reads from sglang's native HTTP API, by version.
 
-Checked against sglang's source: the routes in ``python/sglang/srt/entrypoints/
-http_server.py``; the request structs ``GenerateReqInput``, ``AbortReq``,
-``PauseGenerationReqInput``, ``UpdateWeightFromDiskReqInput``,
-``InitWeightsUpdateGroupReqInput`` and ``UpdateWeightsFromDistributedReqInput`` in
-``python/sglang/srt/managers/io_struct.py``; and the responses built by
-``TokenizerManager`` (``_handle_batch_output``, ``convert_logprob_style``,
-``pause_generation``, ``update_weights_from_disk``) in ``python/sglang/srt/managers/
-tokenizer_manager.py``. asyncrl's own front (``asyncrl.engine.serve``) answers the same.
+Supported: sglang 0.5.0 to 0.5.23 (``SUPPORTED_SGLANG``); a server whose ``GET
+/server_info`` ``version`` is outside is refused at attach, naming its URL, its version
+and the range. Checked against the released wheels 0.5.10, 0.5.20, 0.5.21 and 0.5.23:
+``tests/test_sglang_wheels.py`` parses each pinned wheel's route table (``python/sglang/
+srt/entrypoints/http_server.py``), request structs (``srt/managers/io_struct.py``) and
+``SamplingParams`` (``srt/sampling/sampling_params.py``) and checks every call this
+client and ``asyncrl.trainer.publish_sglang.NcclWeightPublisher`` make against them.
+asyncrl's own front (``asyncrl.engine.serve``) answers as one release (``--sglang-version``).
 
+- **Attach.** ``GET /server_info``: ``version``, and the server's arguments, among them
+  ``enable_deterministic_inference``; ``GET /model_info``: ``weight_version`` (a string;
+  ``/get_model_info`` is its deprecated alias, ``/get_weight_version`` answers 404).
+  There is no ``/version`` route.
 - ``POST /generate`` {``rid``, ``input_ids``, ``sampling_params``, ``return_logprob``,
   ``stream``} streams server-sent events ``data: {json}`` and ends with ``data: [DONE]``;
   a failed request streams ``data: {"error": {"message"}}``. Each event's ``meta_info``
@@ -21,47 +25,113 @@ tokenizer_manager.py``. asyncrl's own front (``asyncrl.engine.serve``) answers t
   Streams are cumulative by default (every event repeats all tokens so far) and
   incremental with ``--incremental-streaming-output``; ``new_tokens`` reads both.
 - ``sampling_params`` keys sent: ``max_new_tokens``, ``temperature`` (0 = greedy),
-  ``top_p``, ``top_k`` (only when set: sglang's "all" is -1), ``stop_token_ids`` and
-  ``stop`` (when there are any). sglang rejects unknown keys, so nothing else is sent:
+  ``top_p``, ``top_k`` (only when set: sglang's "all" is -1, and it refuses 0),
+  ``stop_token_ids`` and ``stop`` (when there are any), and ``sampling_seed`` only to a
+  server that applies it: sglang ignores it unless launched with
+  ``--enable-deterministic-inference`` (asyncrl's front always applies it), so another
+  server samples unseeded, said once at attach. sglang builds ``SamplingParams(**keys)``:
+  an unknown key (vLLM's ``seed``) is a TypeError, answered 500, so nothing else is sent:
   not ``no_stop_trim`` either, which only shapes the ``text`` the engine never reads (the
   reward's text is cut by ``asyncrl.engine.stops`` from the token ids). sglang looks for
   stop strings in text that keeps special tokens, asyncrl's engine in text that skips
   them; they differ only for a stop string that spells a special token.
-- ``POST /abort_request`` {``rid``}; ``POST /pause_generation`` {``mode``: ``"abort"``} ends
-  every request in flight with finish reason abort and holds new ones until ``POST
-  /continue_generation`` {} (older sglang takes no body, and ignores one);
+- ``POST /abort_request`` {``rid``} aborts the live request of exactly that rid, and with
+  it every request whose rid starts with it: the engine's rids are prefix-free
+  (``asyncrl.engine.remote_requests.server_rid``). ``POST /pause_generation`` {``mode``:
+  ``"abort"``} ends every request in flight with finish reason abort and holds new ones
+  until ``POST /continue_generation`` {} (0.5.10's takes no field, and ignores one);
   ``POST /update_weights_from_disk`` {``model_path``, ``weight_version``} answers
   {``success``, ``message``} — while paused it does not wait for requests to finish.
 - ``POST /init_weights_update_group`` {``master_address``, ``master_port``,
   ``rank_offset``, ``world_size``, ``group_name``, ``backend``} and ``POST
   /update_weights_from_distributed`` {``names``, ``dtypes`` (``"bfloat16"``…), ``shapes``,
-  ``group_name``, ``flush_cache``, ``weight_version``}: see
-  ``asyncrl.trainer.publish.NcclWeightPublisher``.
-- ``GET /health`` (200 once the server serves), ``GET /get_model_info`` (``weight_version``).
+  ``group_name``, ``flush_cache``, ``weight_version``}: from 0.5.21 (``SESSIONS_FROM``)
+  the latter is refused (400) unless ``POST /begin_weight_update`` {} came first, and
+  ``POST /end_weight_update`` {} follows; disk updates need neither. See
+  ``asyncrl.trainer.publish_sglang.NcclWeightPublisher``.
+- ``GET /health``: 200 once the server serves.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from asyncrl.engine.base import SamplingParams
 from asyncrl.seeds import derive_seed
 
+SUPPORTED_SGLANG = ((0, 5, 0), (0, 5, 23))
+"""Accepted ``/server_info`` ``version``: (major, minor, patch) from the first to the
+second, both included. 0.5.23 is the newest release checked."""
+SESSIONS_FROM = (0, 5, 21)
+"""The first release that refuses ``/update_weights_from_distributed`` outside a
+``/begin_weight_update`` … ``/end_weight_update`` session (and has those routes)."""
+
+
+@dataclass(frozen=True)
+class SglangServer:
+    """What an sglang server is, as read from its ``/server_info``: what may be sent it."""
+
+    version: tuple[int, int, int]
+    deterministic: bool = False
+    """Launched with ``--enable-deterministic-inference``: the only mode in which sglang
+    applies a request's ``sampling_seed`` (asyncrl's front says it is, and is)."""
+
+    @property
+    def seeded(self) -> bool:
+        """Whether a request's ``sampling_seed`` is applied (else it is not sent)."""
+        return self.deterministic
+
+    @property
+    def weight_sessions(self) -> bool:
+        """Whether distributed weight updates must run inside a begin/end session."""
+        return self.version >= SESSIONS_FROM
+
+
+def parse_version(text: str) -> tuple[int, int, int] | None:
+    """(major, minor, patch) of a version string such as ``0.5.21.post1`` or ``v0.5.9``."""
+    match = re.match(r"\s*v?(\d+)\.(\d+)(?:\.(\d+))?", text or "")
+    return (int(match[1]), int(match[2]), int(match[3] or 0)) if match else None
+
+
+def check_version(url: str, reported: object) -> tuple[int, int, int]:
+    """The parsed ``reported`` (``/server_info``'s ``version``); RuntimeError unless it is
+    in ``SUPPORTED_SGLANG``, naming the server, its version and the range."""
+    low, high = SUPPORTED_SGLANG
+    parsed = parse_version(reported if isinstance(reported, str) else "")
+    if parsed is None or not low <= parsed <= high:
+        supported = f"{'.'.join(map(str, low))} to {'.'.join(map(str, high))}"
+        raise RuntimeError(
+            f"the sglang server at {url} reports version {reported!r} (GET /server_info); "
+            f"asyncrl's sglang client supports sglang {supported}"
+        )
+    return parsed
+
+
+def read_server(url: str, info: dict) -> SglangServer:
+    """The server at ``url`` from its ``GET /server_info`` answer (``check_version``)."""
+    version = check_version(url, info.get("version"))
+    return SglangServer(version, info.get("enable_deterministic_inference") is True)
+
 
 def generate_payload(
-    rid: str, input_ids: list[int], params: SamplingParams, max_new_tokens: int
+    rid: str,
+    input_ids: list[int],
+    params: SamplingParams,
+    max_new_tokens: int,
+    server: SglangServer,
 ) -> dict:
-    """The body of a streaming ``/generate`` request. A seeded request's ``sampling_seed``
-    is its seed keyed by where the attempt starts (a resumed attempt draws afresh); sglang
-    applies it in its deterministic mode (``--enable-deterministic-inference``), and the
-    embedded engine's front always."""
+    """The body of a streaming ``/generate`` request to ``server``. A seeded request's
+    ``sampling_seed`` is its seed keyed by where the attempt starts (a resumed attempt
+    draws afresh), sent only where ``server.seeded``."""
     sampling = {
         "max_new_tokens": max_new_tokens,
         "temperature": params.temperature,
         "top_p": params.top_p,
     }
-    if params.seed is not None:
+    if params.seed is not None and server.seeded:
         sampling["sampling_seed"] = derive_seed(params.seed, len(input_ids))
     if params.top_k > 0:
         sampling["top_k"] = params.top_k
