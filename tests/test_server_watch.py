@@ -1,0 +1,113 @@
+"""No silent hang when a server dies (``asyncrl.engine.server_watch``), and a run whose
+trainer never steps still ends at its time limit: against asyncrl's front, launched by
+the engine or attached, killed mid-request."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from asyncrl.engine.base import Request, SamplingParams, ServerFailed
+from asyncrl.engine.remote import RemoteEngine
+
+from .sglang_client import free_port, wait_healthy
+from .test_remote_engine import ROOT, drain, post, remote_config
+
+
+def front(model_dir: str, log_dir) -> tuple[subprocess.Popen, str]:
+    """asyncrl's front in its own process group; (process, URL)."""
+    port, log_path = free_port(), log_dir / "front.log"
+    cmd = [sys.executable, "-m", "asyncrl.engine.serve", "--model", model_dir]
+    cmd += ["--port", str(port), "--max-slots", "8", "--max-seq-len", "128", "--threads", "1"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, proc, log_path, timeout=120)
+    return proc, url
+
+
+def kill(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def test_an_attached_server_that_stays_down_ends_the_engine_naming_it(
+    tiny_model_dir, tmp_path, caplog
+):
+    """Its requests wait for it (logged every few seconds with its URL and the error);
+    after ``dead_after_s`` the next step raises ``ServerFailed`` naming the URL."""
+    proc, url = front(tiny_model_dir, tmp_path)
+    engine = RemoteEngine(tiny_model_dir, remote_config(urls=[url], dead_after_s=12).remote)
+    try:
+        post(url, "/slow_down", {"forward_sleep_time": 0.05})
+        engine.submit(Request("a", [3, 4, 5], SamplingParams(max_new_tokens=100)))
+        time.sleep(0.5)
+        kill(proc)
+        start = time.monotonic()
+        caplog.set_level(logging.WARNING, logger="asyncrl.remote")
+        with pytest.raises(ServerFailed, match=url) as failed:
+            while time.monotonic() - start < 60:
+                engine.step()
+        took = time.monotonic() - start
+        assert 12 <= took <= 12 + 10, took
+        assert "dead_after_s=12" in str(failed.value)
+        waits = [r for r in caplog.records if "cannot reach the server at" in r.message]
+        assert len(waits) >= 2 and all(url in r.message for r in waits)
+        assert engine.status().metrics["engine/servers_down"] == 1
+    finally:
+        engine.close()
+
+
+def test_a_launched_server_that_dies_is_restarted_and_its_request_goes_on(tiny_model_dir, tmp_path):
+    """The engine starts its server again on the same port; the request in flight is sent
+    again as prompt + tokens so far and finishes; the restart is counted."""
+    engine = RemoteEngine(
+        tiny_model_dir, remote_config(max_inflight=4).remote, log_dir=tmp_path, name="g0"
+    )
+    try:
+        url = engine.urls[0]
+        post(url, "/slow_down", {"forward_sleep_time": 0.05})
+        params = SamplingParams(max_new_tokens=60, temperature=0.0)
+        engine.submit(Request("a", [3, 4, 5], params))
+        tokens: list = []
+        while len(tokens) < 5:
+            tokens += engine.step().tokens
+        os.killpg(engine.servers[0].server.process.pid, signal.SIGKILL)
+        more, finished = drain(engine, ["a"], timeout_s=120)
+        assert finished["a"].reason in ("length", "eos")
+        assert finished["a"].num_tokens == len(tokens) + len(more.get("a", []))
+        status = engine.status()
+        assert status.metrics["engine/server_restarts"] == 1 and engine.urls == [url]
+        assert status.metrics["engine/servers_down"] == 0
+    finally:
+        engine.close()
+
+
+def test_a_run_whose_trainer_never_steps_ends_at_its_time_limit(tiny_model_dir, tmp_path):
+    """A generator too slow to fill a batch (its server takes 5 s a decode step): the
+    trainer waits for its first batch, and at ``time_limit_s`` it stops waiting and the
+    run ends, well within the limit plus a minute."""
+    proc, url = front(tiny_model_dir, tmp_path)
+    try:
+        post(url, "/slow_down", {"forward_sleep_time": 5.0})
+        run_dir = tmp_path / "run"
+        cmd = [sys.executable, "launch/local.py", "experiments/tiny_grpo.py"]
+        cmd += [f"run_dir={run_dir}", f"model.path={tiny_model_dir}", "time_limit_s=20"]
+        cmd += ["eval.every_steps=0", "rl.max_steps=50", "engine.backend=remote"]
+        cmd += ["engine.remote.server=sglang", f'engine.remote.urls=["{url}"]']
+        start = time.monotonic()
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        took = time.monotonic() - start
+    finally:
+        kill(proc)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    summary = (run_dir / "summary.json").read_text()
+    assert '"steps": 0' in summary
+    assert took < 20 + 60, took
+    assert "the time limit passed waiting" in (run_dir / "logs" / "trainer_0.log").read_text()
