@@ -224,7 +224,7 @@ def test_chat_prompt_is_the_chat_template_and_its_tokens_the_completions(
 
 # ---- errors ------------------------------------------------------------------------------
 BAD_COMPLETIONS = [
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
     ({"stream": True}, "stream"),
     ({"logprobs": 2}, "logprobs"),
     ({"top_p": 0}, "top_p"),

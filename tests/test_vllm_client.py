@@ -209,6 +209,46 @@ def test_abort_ends_the_request_on_the_server(front, tiny_model_dir, api):
         engine.close()
 
 
+@pytest.mark.parametrize("api", ["vllm", "vllm-0.32"])
+def test_a_groups_samples_go_as_one_request(tiny_model_dir, api, request):
+    """Unseeded requests of one prompt and sampling (a GRPO group) go to vLLM as one
+    request of ``n`` samples: each still gets its own tokens, with the logprobs the
+    trainer recomputes; one aborted alone ends ``abort``, the others finish."""
+    url = front_url(api, request)
+    engine = attached(url, tiny_model_dir, api)
+    sent = []
+    original = engine.api.generate_group
+
+    async def recording(session, state, attempts):
+        sent.append(len(attempts))
+        return await original(session, state, attempts)
+
+    engine.api.generate_group = recording
+    try:
+        params = SamplingParams(max_new_tokens=8, temperature=0.9)
+        for i in range(4):
+            engine.submit(Request(f"g{i}", [3, 4, 5], params))
+        tokens, finished = drain(engine, [f"g{i}" for i in range(4)])
+        assert sent == [4]
+        for i in range(4):
+            got = tokens[f"g{i}"]
+            want = trainer_logprobs(tiny_model_dir, [3, 4, 5], [t.token_id for t in got], 0.9)
+            assert [t.logprob for t in got] == pytest.approx(want, abs=1e-4)
+            assert finished[f"g{i}"].num_tokens == len(got)
+        post(url, "/slow_down", {"forward_sleep_time": 0.02})
+        long = SamplingParams(max_new_tokens=60, temperature=0.9)
+        for i in range(3):
+            engine.submit(Request(f"h{i}", [6, 7, 8], long))
+        time.sleep(0.3)
+        engine.abort("h1")
+        _, finished = drain(engine, ["h0", "h1", "h2"])
+        assert finished["h1"].reason == "abort"
+        assert {finished["h0"].reason, finished["h2"].reason} <= {"length", "eos"}
+    finally:
+        post(url, "/slow_down", {"forward_sleep_time": None})
+        engine.close()
+
+
 def test_a_vllm_server_found_paused_gets_no_request_until_weights_load(front, tiny_model_dir):
     """A server paused when a generator attaches (the one before died after a transfer into
     it failed part-way) is taken as torn: requests wait unsent, no slot is offered for

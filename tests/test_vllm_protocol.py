@@ -334,3 +334,19 @@ def test_a_bad_pause_mode_gets_vllms_error_shape(server):
         assert (await api.call("GET", "/is_paused"))[1] == {"is_paused": False}
 
     run(server, test)
+
+
+def test_n_samples_of_one_prompt_in_one_request(server):
+    """``n``: one request, that many choices (``index`` 0 … n-1), each with its own token
+    ids and their logprobs; the usage counts them all."""
+
+    async def test(api: Api) -> None:
+        out = (await api.post("/v1/completions", completion(server, 5, 1.0, n=3)))[1]
+        choices = sorted(out["choices"], key=lambda c: c["index"])
+        assert [c["index"] for c in choices] == [0, 1, 2]
+        for c in choices:
+            assert 1 <= len(c["token_ids"]) <= 5
+            assert len(c["logprobs"]["token_logprobs"]) == len(c["token_ids"])
+        assert out["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in choices)
+
+    run(server, test)

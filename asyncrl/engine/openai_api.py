@@ -70,7 +70,7 @@ class OpenAIApi:
             return json_response(error_body(self.server.refusing, 503), 503)
         try:
             req = parse(decode_body(await request.read()), self.server)
-            flight = self.server.submit(req.generate)
+            flights = [self.server.submit(one) for one in req.samples()]
         except BadRequest as exc:
             param = getattr(exc, "param", None)
             schema = getattr(exc, "schema", isinstance(exc, WrongType))
@@ -78,21 +78,24 @@ class OpenAIApi:
         except RuntimeError as exc:  # the engine failed: /health reads 503 too
             return json_response(error_body(str(exc), 503), 503)
         try:
-            while flight.gen.finish_reason is None:
-                await flight.changed.wait()
-                flight.changed.clear()
+            for flight in flights:
+                while flight.gen.finish_reason is None:
+                    await flight.changed.wait()
+                    flight.changed.clear()
         finally:
-            if flight.gen.finish_reason is None:  # the client went away
-                self.server.abort_soon(req.generate.rid, "client disconnected")
-        finish = flight.gen.finish_reason
-        if finish["type"] == "abort" and finish.get("status_code"):  # the server's failure
-            status = finish["status_code"]
-            return json_response(error_body(finish["message"], status), status)
-        c = self._completion(flight, req.logprobs)
+            for flight in flights:
+                if flight.gen.finish_reason is None:  # the client went away
+                    self.server.abort_soon(flight.gen.input.rid, "client disconnected")
+        for flight in flights:
+            finish = flight.gen.finish_reason
+            if finish["type"] == "abort" and finish.get("status_code"):  # the server's failure
+                status = finish["status_code"]
+                return json_response(error_body(finish["message"], status), status)
+        cs = [self._completion(flight, req.logprobs) for flight in flights]
         options = {"logprobs": req.logprobs, "return_token_ids": req.return_token_ids}
         if req.weight_versions and self.spans:
             options["weight_versions"] = True
-        return json_response(shape(c, self.model, **options))
+        return json_response(shape(cs if req.n > 1 else cs[0], self.model, **options))
 
     def _completion(self, flight: Flight, logprobs: bool) -> Completion:
         gen, finish = flight.gen, flight.gen.finish_reason

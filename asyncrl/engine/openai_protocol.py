@@ -39,7 +39,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from http import HTTPStatus
 from itertools import accumulate
 from typing import Any
@@ -82,6 +82,8 @@ _SAMPLING_KEYS = {
     **{k: k for k in ("frequency_penalty", "presence_penalty", "repetition_penalty")},
     "logit_bias": "logit_bias",
 }
+MAX_N = 64
+"""Most samples (``n``) one completion request may ask for."""
 # Features accepted only at the value that asks for nothing (or null).
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "n": (1,),
@@ -114,6 +116,20 @@ class OpenAIRequest:
     return_token_ids: bool
     weight_versions: bool = False
     """vLLM's ``return_weight_versions`` (0.33 on): each choice's version spans."""
+    n: int = 1
+    """Samples of the prompt, one choice each (completions only)."""
+
+    def samples(self) -> list[GenerateInput]:
+        """What the engine runs: ``n`` requests of the prompt, their rids ``RID-i`` and a
+        seed each (the given one plus ``i``), as vLLM derives its choices'."""
+        if self.n == 1:
+            return [self.generate]
+        out = []
+        for i in range(self.n):
+            seed = self.generate.params.seed
+            params = replace(self.generate.params, seed=None if seed is None else seed + i)
+            out.append(replace(self.generate, rid=f"{self.generate.rid}-{i}", params=params))
+        return out
 
 
 def check_keys(body: dict, keys: Collection[str], endpoint: str) -> None:
@@ -199,7 +215,10 @@ def _generate_input(
 
 def parse_completion(body: dict, server: EngineServer) -> OpenAIRequest:
     """Validate a ``/v1/completions`` body; raises ``InvalidRequest``."""
-    check_keys(body, COMPLETION_KEYS, "/v1/completions")
+    n = body.get("n") if body.get("n") is not None else 1
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+        raise InvalidRequest(f"n must be an integer in [1, {MAX_N}], got {n!r:.80}", "n")
+    check_keys({k: v for k, v in body.items() if k != "n"}, COMPLETION_KEYS, "/v1/completions")
     prompt = body.get("prompt")
     if isinstance(prompt, str) and prompt:
         prompt_ids = server.tokenizer.encode(prompt)
@@ -218,6 +237,7 @@ def parse_completion(body: dict, server: EngineServer) -> OpenAIRequest:
         logprobs is not None,
         _flag(body, "return_token_ids"),
         _flag(body, "return_weight_versions"),
+        n,
     )
 
 
@@ -290,23 +310,39 @@ def version_spans(versions: list[str]) -> list[dict[str, Any]]:
     return spans
 
 
-def _response(kind: str, c: Completion, model: str, choice: dict) -> dict[str, Any]:
-    usage = {"prompt_tokens": len(c.prompt_ids), "completion_tokens": len(c.token_ids)}
+def _response(
+    kind: str, c: Completion, model: str, choices: list[dict], generated: int | None = None
+) -> dict[str, Any]:
+    """The body around ``choices``; ``generated``: their tokens, ``c``'s when None."""
+    completion = len(c.token_ids) if generated is None else generated
+    usage = {"prompt_tokens": len(c.prompt_ids), "completion_tokens": completion}
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
     body = {"id": c.id, "object": kind, "created": int(time.time()), "model": model}
-    return {**body, "choices": [choice], "usage": usage}
+    return {**body, "choices": choices, "usage": usage}
 
 
 def completion_body(
-    c: Completion,
+    c: Completion | list[Completion],
     model: str,
     *,
     logprobs: bool = False,
     return_token_ids: bool = False,
     weight_versions: bool = False,
 ) -> dict[str, Any]:
-    """A ``/v1/completions`` response (``object: "text_completion"``)."""
+    """A ``/v1/completions`` response (``object: "text_completion"``): one choice per
+    completion, in order (``index``), under the first one's id."""
+    cs = c if isinstance(c, list) else [c]
+    options = {"logprobs": logprobs, "return_token_ids": return_token_ids}
+    choices = [_completion_choice(one, i, weight_versions, **options) for i, one in enumerate(cs)]
+    generated = sum(len(one.token_ids) for one in cs)
+    return _response("text_completion", cs[0], model, choices, generated)
+
+
+def _completion_choice(
+    c: Completion, index: int, weight_versions: bool, logprobs: bool, return_token_ids: bool
+) -> dict[str, Any]:
     choice = _choice(c, return_token_ids, text=c.text, logprobs=None)
+    choice["index"] = index
     if weight_versions:
         choice["weight_versions"] = version_spans(c.versions)
     if logprobs:
@@ -318,7 +354,7 @@ def completion_body(
         }
     if return_token_ids:
         choice["prompt_token_ids"] = c.prompt_ids  # vLLM puts it in the choice here
-    return _response("text_completion", c, model, choice)
+    return choice
 
 
 def chat_completion_body(
@@ -333,7 +369,7 @@ def chat_completion_body(
             for t, lp in zip(c.token_texts, c.logprobs)
         ]
         choice["logprobs"] = {"content": content}
-    body = _response("chat.completion", c, model, choice)
+    body = _response("chat.completion", c, model, [choice])
     if return_token_ids:
         body["prompt_token_ids"] = c.prompt_ids  # and at the top level here
     return body

@@ -22,12 +22,12 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from urllib.parse import quote
 
 import aiohttp
 
-from asyncrl.engine.base import Finished, GeneratedToken, Request
+from asyncrl.engine.base import Finished, GeneratedToken, Request, SamplingParams
 from asyncrl.engine.remote_weights import ServerState
 from asyncrl.engine.server_api import Attempt, AttemptEnd, NewTokens, ServerApi
 
@@ -38,6 +38,11 @@ MAX_FRUITLESS_RESENDS = 20
 DRAIN_GRACE_S = 2.0
 """A weight update waits this long for the attempts on its server to end after the pause,
 then closes the connections of the rest (see ``drain``)."""
+
+
+def _sampling(request: Request) -> SamplingParams:
+    """A request's sampling without its seed: what the samples of one call share."""
+    return replace(request.params, seed=None)
 
 
 def server_rid(request_id: str, attempt: int) -> str:
@@ -144,11 +149,32 @@ class RequestQueue:
                 if not open_:
                     return
                 server = min(open_, key=lambda s: s.inflight)
-                seq = self._queued.popleft()
-                seq.server, server.inflight = server, server.inflight + 1
-                seq.cancel = asyncio.Event()
-                self._running[seq.request.request_id] = seq
-                self._loop.create_task(self._attempt(seq))
+                group = self._take_group(server)
+                for seq in group:
+                    seq.server, seq.cancel = server, asyncio.Event()
+                    self._running[seq.request.request_id] = seq
+                server.inflight += len(group)
+                self._loop.create_task(self._attempt(group))
+
+    def _take_group(self, server: ServerState) -> list[_Seq]:
+        """The next queued request, and the fresh ones queued with the same prompt and
+        sampling (a GRPO group's samples) up to what one call may carry: the server then
+        runs them as one request of ``n`` samples. The caller holds ``self.lock``."""
+        seq = self._queued.popleft()
+        room = self.max_inflight - server.inflight
+        limit = min(room, self.api.group_size(server.server.url, seq.request.params))
+        group = [seq]
+        if seq.tokens or limit <= 1:
+            return group
+        key = _sampling(seq.request)
+        for other in list(self._queued):
+            if len(group) >= limit:
+                break
+            same = other.request.prompt_ids == seq.request.prompt_ids
+            if same and not other.tokens and _sampling(other.request) == key:
+                self._queued.remove(other)
+                group.append(other)
+        return group
 
     def abort(self, request_id: str) -> None:
         with self.lock:
@@ -176,9 +202,28 @@ class RequestQueue:
                             seq.cancel.set()
             await asyncio.sleep(0.01)
 
-    async def _attempt(self, seq: _Seq) -> None:
-        server, before = seq.server, len(seq.tokens)
-        attempt = Attempt(
+    async def _attempt(self, group: list[_Seq]) -> None:
+        """One call: one attempt of each request of ``group`` (several: one input)."""
+        server = group[0].server
+        before = [len(seq.tokens) for seq in group]
+        attempts = [self._attempt_of(seq, server) for seq in group]
+        try:
+            if len(attempts) == 1:
+                ends = [await self.api.generate(self._session, server, attempts[0])]
+            else:
+                ends = await self.api.generate_group(self._session, server, attempts)
+        except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+            ends = [AttemptEnd(None, lost=f"{type(e).__name__}: {e}")] * len(group)  # cut off
+        except (aiohttp.ClientError, ValueError) as e:
+            self._fail(f"the server at {server.server.url} answered what cannot be read: {e}")
+            return
+        with self.lock:
+            for seq, end, count in zip(group, ends, before):
+                self._settle(seq, server, end, count)
+        self.dispatch()
+
+    def _attempt_of(self, seq: _Seq, server: ServerState) -> Attempt:
+        return Attempt(
             seq.rid,
             seq.request.prompt_ids + seq.tokens,
             seq.request.params,
@@ -186,32 +231,27 @@ class RequestQueue:
             lambda new: self._take(server, seq, new),
             seq.cancel,
         )
-        try:
-            end = await self.api.generate(self._session, server, attempt)
-        except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
-            end = AttemptEnd(None, lost=f"{type(e).__name__}: {e}")  # cut off, or silent
-        except (aiohttp.ClientError, ValueError) as e:
-            self._fail(f"the server at {server.server.url} answered what cannot be read: {e}")
-            return
+
+    def _settle(self, seq: _Seq, server: ServerState, end: AttemptEnd, before: int) -> None:
+        """What follows an attempt's end: the request finishes, or goes again first in
+        line. The caller holds ``self.lock``."""
         seq.matched = end.matched
-        with self.lock:
-            server.inflight -= 1
-            del self._running[seq.request.request_id]
-            if end.lost:  # the server went away: the attempt goes again, elsewhere or later
-                self._suspect(server, end.lost)
-            seq.fruitless = 0 if len(seq.tokens) > before else seq.fruitless + 1
-            if end.reason not in (None, "abort"):
-                self._finish(seq, end.reason)
-            elif seq.aborted or end.error or seq.fruitless > MAX_FRUITLESS_RESENDS:
-                self._finish(seq, "abort")
-            elif self._budget(seq) <= 0:
-                self._finish(seq, "length")
-            else:  # interrupted (an update's pause, a lost server): continue where it stopped
-                seq.attempt += 1
-                self.counters.resent += 1
-                self.counters.resent_tokens += len(seq.request.prompt_ids) + len(seq.tokens)
-                self._queued.appendleft(seq)
-        self.dispatch()
+        server.inflight -= 1
+        del self._running[seq.request.request_id]
+        if end.lost:  # the server went away: the attempt goes again, elsewhere or later
+            self._suspect(server, end.lost)
+        seq.fruitless = 0 if len(seq.tokens) > before else seq.fruitless + 1
+        if end.reason not in (None, "abort"):
+            self._finish(seq, end.reason)
+        elif seq.aborted or end.error or seq.fruitless > MAX_FRUITLESS_RESENDS:
+            self._finish(seq, "abort")
+        elif self._budget(seq) <= 0:
+            self._finish(seq, "length")
+        else:  # interrupted (an update's pause, a lost server): continue where it stopped
+            seq.attempt += 1
+            self.counters.resent += 1
+            self.counters.resent_tokens += len(seq.request.prompt_ids) + len(seq.tokens)
+            self._queued.appendleft(seq)
 
     def _budget(self, seq: _Seq) -> int:
         """New tokens the next attempt may generate."""

@@ -84,6 +84,18 @@ class ServerApi(Protocol):
         ``aiohttp.ClientError`` or ``ValueError`` when the server stops answering."""
         ...
 
+    def group_size(self, url: str, params: SamplingParams) -> int:
+        """How many attempts of one input and ``params`` one call to ``generate_group`` may
+        carry (1: each goes alone, through ``generate``)."""
+        ...
+
+    async def generate_group(
+        self, session: aiohttp.ClientSession, state: ServerState, attempts: list[Attempt]
+    ) -> list[AttemptEnd]:
+        """Run attempts of one input and sampling as one request; their ends, in order.
+        Called only with at most ``group_size`` of them."""
+        ...
+
     async def abort(self, session: aiohttp.ClientSession, url: str, rid: str) -> None:
         """Ask the server to end attempt ``rid`` (after its ``cancel`` event was set)."""
         ...
@@ -163,6 +175,15 @@ class SglangServerApi:
                         log.warning("request %s aborted by %s: %s", attempt.rid, url, why)
                         return end
         return end
+
+    def group_size(self, url: str, params: SamplingParams) -> int:
+        """One each: a streamed ``/generate`` carries one sample."""
+        return 1
+
+    async def generate_group(
+        self, session: aiohttp.ClientSession, state: ServerState, attempts: list[Attempt]
+    ) -> list[AttemptEnd]:
+        return [await self.generate(session, state, attempts[0])]
 
     async def abort(self, session: aiohttp.ClientSession, url: str, rid: str) -> None:
         """sglang aborts the request of exactly ``rid`` and every one whose rid starts with
