@@ -10,10 +10,12 @@ Where the environment is missing the tests skip, unless ``ASYNCRL_REQUIRE_REAL_V
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -55,6 +57,38 @@ def build_model(out: Path, shape_name: str, seed: int = 0) -> str:
     model.save_pretrained(out)
     save_tokenizer(tokenizer, out)
     return str(out)
+
+
+def own_weights_dir(model_dir: str) -> str:
+    """``model_dir``'s own weights written as published ones are (``write_weights_dir``):
+    what a test loads to give the session's server its weights back. Not ``model_dir``
+    itself: vLLM 0.32's ``reload_weights`` from a directory that has a tied LM head under
+    the embedding's name only leaves the head on the weights loaded before."""
+    from asyncrl.engine.servers import write_weights_dir
+    from asyncrl.models import ModelConfig, load_model
+
+    out = Path(f"{model_dir}-own")
+    if not out.exists():
+        model = load_model(ModelConfig(path=model_dir))
+        state = {name: p.detach() for name, p in model.named_parameters()}
+        write_weights_dir(state, model_dir, out)
+    return str(out)
+
+
+def restore_server(url: str, model_dir: str) -> None:
+    """Give the session's server ``model_dir``'s weights and its unlabelled state back (a
+    server labelled with a version is taken as another run's: ``torn`` at attach)."""
+    own = {"weights_path": own_weights_dir(model_dir), "is_checkpoint_format": True}
+    for path, body in (
+        ("/pause?mode=abort", {}),
+        ("/collective_rpc", {"method": "reload_weights", "kwargs": own}),
+        ("/update_weight_version", {"new_version": "default"}),
+        ("/resume", {}),
+    ):
+        request = urllib.request.Request(
+            url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        urllib.request.urlopen(request, timeout=120).read()
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from .real_vllm import VLLM_PYTHON, real_vllm, vllm_server, wait_until
+from .real_vllm import VLLM_PYTHON, real_vllm, restore_server, vllm_server, wait_until
 from .test_remote_engine import ROOT
 
 pytestmark = real_vllm
@@ -35,12 +35,6 @@ def grpo(run_dir: Path, model_dir: str, *overrides: str) -> list[str]:
 def get(url: str, path: str) -> dict:
     with urllib.request.urlopen(f"{url}{path}", timeout=10) as resp:
         return json.loads(resp.read())
-
-
-def post(url: str, path: str, body: dict) -> None:
-    data = json.dumps(body).encode()
-    request = urllib.request.Request(url + path, data, {"Content-Type": "application/json"})
-    urllib.request.urlopen(request, timeout=120).read()
 
 
 def report(run_dir: Path) -> dict:
@@ -90,10 +84,7 @@ def test_async_grpo_attached_to_real_vllm(real_vllm_url, vllm_models, tmp_path):
         done.set()
         watcher.join(timeout=5)
         final = get(url, "/weight_info")["weight_version"]
-        # The session's server gets its weights back for the tests after this one.
-        reload = {"weights_path": vllm_models["qwen-tied"], "is_checkpoint_format": True}
-        post(url, "/collective_rpc", {"method": "reload_weights", "kwargs": reload})
-        post(url, "/update_weight_version", {"new_version": "default"})
+        restore_server(url, vllm_models["qwen-tied"])  # for the tests after this one
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     summary = json.loads((run_dir / "generator_g0_summary.json").read_text())
     versions = [int(label) for label in labels if label.isdigit()]

@@ -65,8 +65,10 @@ def remote_config(
     )
 
 
-def drain(engine, request_ids, timeout_s: float = 60.0, on_tokens=None):
-    """Step until every request finished: ({id: [GeneratedToken]}, {id: Finished})."""
+def drain(engine, request_ids, timeout_s: float = 60.0, on_tokens=None, on_step=None):
+    """Step until every request finished: ({id: [GeneratedToken]}, {id: Finished});
+    ``on_tokens(tokens)`` after a step that brought tokens, ``on_step()`` after each (an
+    engine sends what was submitted only in a step)."""
     tokens, finished = {}, {}
     deadline = time.time() + timeout_s
     while set(finished) != set(request_ids):
@@ -81,6 +83,8 @@ def drain(engine, request_ids, timeout_s: float = 60.0, on_tokens=None):
             finished[f.request_id] = f
         if on_tokens is not None and out.tokens:
             on_tokens(tokens)
+        if on_step is not None:
+            on_step()
     return tokens, finished
 
 

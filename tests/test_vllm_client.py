@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 from dataclasses import replace
 from pathlib import Path
 
@@ -87,8 +88,12 @@ def front_url(api: str, request) -> str:
 
 
 def attached(url: str, model_dir: str, api: str, **remote) -> RemoteEngine:
-    """A remote engine attached to ``url``, driving it through ``api``'s client."""
+    """A remote engine attached to ``url``, driving it through ``api``'s client. The front
+    is shared by a module's tests: the weights label one test leaves would make the next
+    attach take the front as another run's (torn), so it is cleared first."""
     server = "vllm" if api.startswith("vllm") else api
+    with contextlib.suppress(urllib.error.HTTPError):  # a server without the route
+        post(url, "/update_weight_version", {"new_version": "default"})
     cfg = RemoteEngineConfig(urls=[url], server=server, threads=1, startup_timeout_s=60, **remote)
     return RemoteEngine(model_dir, cfg)
 
@@ -103,12 +108,19 @@ def trainer_logprobs(model_dir: str, prompt: list[int], tokens: list[int], tempe
     return lp[0, len(prompt) :].tolist()
 
 
-def wait_for_server_tokens(url: str, count: int, timeout_s: float = 30.0) -> None:
-    """Return once the front's engine generated ``count`` more tokens than at the call."""
-    start, deadline = server_stats(url)["engine/tokens"], time.time() + timeout_s
-    while server_stats(url)["engine/tokens"] - start < count:
+def once_server_tokens(url: str, count: int, action, timeout_s: float = 30.0):
+    """A ``drain`` step hook: ``action()`` once the front's engine has generated ``count``
+    more tokens than at this call (vLLM's client sees tokens only when a response ends)."""
+    start, deadline, done = server_stats(url)["engine/tokens"], time.time() + timeout_s, []
+
+    def hook() -> None:
+        if done:
+            return
         assert time.time() < deadline, f"fewer than {count} tokens in {timeout_s:.0f} s"
-        time.sleep(0.01)
+        if server_stats(url)["engine/tokens"] - start >= count:
+            done.append(action())
+
+    return hook
 
 
 # ---- both clients on the front ------------------------------------------------------------
@@ -167,9 +179,8 @@ def test_a_request_interrupted_by_a_weight_update_resumes_keeping_versions(
         v0 = engine.status().version
         post(front, "/slow_down", {"forward_sleep_time": 0.03})
         engine.submit(Request("a", [3, 4, 5, 6], SamplingParams(max_new_tokens=40, temperature=0)))
-        wait_for_server_tokens(front, 5)  # vLLM's client sees tokens only when a response ends
-        engine.stage_weights(str(weights), v0 + 1)
-        tokens, finished = drain(engine, ["a"])
+        update = once_server_tokens(front, 5, lambda: engine.stage_weights(str(weights), v0 + 1))
+        tokens, finished = drain(engine, ["a"], on_step=update)
         post(front, "/slow_down", {"forward_sleep_time": None})
         versions = [t.version for t in tokens["a"]]
         before = versions.count(v0)
@@ -195,9 +206,8 @@ def test_abort_ends_the_request_on_the_server(front, tiny_model_dir, api):
         # Greedy on this prompt runs past 10 tokens without EOS; the abort lands long before.
         params = SamplingParams(max_new_tokens=100, temperature=0.0)
         engine.submit(Request("long", [3, 4, 5], params))
-        wait_for_server_tokens(front, 3)
-        engine.abort("long")
-        _, finished = drain(engine, ["long"])
+        abort = once_server_tokens(front, 3, lambda: engine.abort("long"))
+        _, finished = drain(engine, ["long"], on_step=abort)
         assert finished["long"].reason == "abort" and finished["long"].num_tokens < 100
         deadline = time.time() + 30
         while server_stats(front)["engine/running"] and time.time() < deadline:
@@ -239,9 +249,8 @@ def test_a_groups_samples_go_as_one_request(tiny_model_dir, api, request):
         long = SamplingParams(max_new_tokens=60, temperature=0.9)
         for i in range(3):
             engine.submit(Request(f"h{i}", [6, 7, 8], long))
-        time.sleep(0.3)
-        engine.abort("h1")
-        _, finished = drain(engine, ["h0", "h1", "h2"])
+        abort = once_server_tokens(url, 3, lambda: engine.abort("h1"))
+        _, finished = drain(engine, ["h0", "h1", "h2"], on_step=abort)
         assert finished["h1"].reason == "abort"
         assert {finished["h0"].reason, finished["h2"].reason} <= {"length", "eos"}
     finally:
@@ -259,6 +268,7 @@ def test_a_vllm_server_found_paused_gets_no_request_until_weights_load(front, ti
         version = engine.status().version
         assert engine.servers[0].torn and engine.status().free_slots == 0
         engine.submit(Request("a", [3, 4, 5], SamplingParams(max_new_tokens=4, temperature=0)))
+        engine.step()  # it would be sent here
         time.sleep(0.5)
         assert engine.status().running == 0
         engine.stage_weights(tiny_model_dir, version + 1, wait=True)
@@ -267,6 +277,30 @@ def test_a_vllm_server_found_paused_gets_no_request_until_weights_load(front, ti
         assert [t.version for t in tokens["a"]] == [version + 1] * 4
     finally:
         post(front, "/resume", {})
+        engine.close()
+
+
+def test_a_vllm_server_labelled_by_an_earlier_client_waits_for_this_runs_weights(
+    front, tiny_model_dir
+):
+    """A server labelled v8 (by another run, whose versions this one's would never pass)
+    is taken as torn: nothing runs there until this run's weights load, even older ones."""
+    engine = attached(front, tiny_model_dir, "vllm")
+    engine.close()
+    post(front, "/update_weight_version", {"new_version": "8"})
+    engine = RemoteEngine(tiny_model_dir, RemoteEngineConfig(urls=[front], server="vllm"))
+    try:
+        assert engine.servers[0].torn and engine.status().free_slots == 0
+        engine.submit(Request("a", [3, 4, 5], SamplingParams(max_new_tokens=4, temperature=0)))
+        engine.step()
+        time.sleep(0.5)
+        assert engine.status().running == 0
+        engine.stage_weights(tiny_model_dir, 1, wait=True)
+        assert not engine.servers[0].torn and engine.status().version == 1
+        tokens, _ = drain(engine, ["a"])
+        assert [t.version for t in tokens["a"]] == [1] * 4
+    finally:
+        post(front, "/update_weight_version", {"new_version": "default"})
         engine.close()
 
 

@@ -84,20 +84,33 @@ def _flipped(engine: EmbeddedEngine, version: int) -> bool:
 
 
 def _corrupt_next_delta(publisher: BucketPublisher) -> None:
-    """Flip one byte of the next delta's first payload, as a bad link would."""
+    """Flip one byte of the next delta's first payload on its way out, as a bad link
+    would (the publisher's own buffers stay as they are)."""
     original = publisher._send_bucket
 
     def corrupting(record, slot, anchor, version, base, index, *rest):
-        if not anchor and index == 0:
-            flat = publisher.flats[slot]
-            flat[rest[-2]] ^= 0xFF  # the first byte of the range: the sent bytes differ
-            try:
-                return original(record, slot, anchor, version, base, index, *rest)
-            finally:
-                flat[rest[-2]] ^= 0xFF
-        return original(record, slot, anchor, version, base, index, *rest)
+        if anchor or index != 0:
+            return original(record, slot, anchor, version, base, index, *rest)
+        socket, publisher.pub = publisher.pub, _BadLink(publisher.pub)
+        try:
+            return original(record, slot, anchor, version, base, index, *rest)
+        finally:
+            publisher.pub = socket
 
     publisher._send_bucket = corrupting
+
+
+class _BadLink:
+    """A socket whose next multipart message arrives with its payload's last byte flipped."""
+
+    def __init__(self, socket: zmq.Socket) -> None:
+        self.socket = socket
+
+    def send_multipart(self, frames, copy: bool = True) -> None:
+        header, payload = frames
+        damaged = bytearray(payload)
+        damaged[-1] ^= 0xFF
+        self.socket.send_multipart([header, bytes(damaged)], copy=copy)
 
 
 def _engine_params(engine: EmbeddedEngine) -> dict[str, torch.Tensor]:

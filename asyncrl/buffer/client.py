@@ -58,6 +58,8 @@ class BufferClient:
         otherwise decode forever with weights too stale for the buffer to accept. A wait
         is logged every ``WAIT_LOG_S``: a step that never comes is said, not silent.
         """
+        if deadline is not None and time.time() >= deadline:
+            return None  # not asked: a batch served now would be consumed and never trained
         request = encode(
             BatchRequest(run_id=self.run_id, step=step, rank=self.rank, world_size=world_size)
         )
@@ -69,6 +71,12 @@ class BufferClient:
             if now >= give_up:
                 raise TimeoutError(f"no batch for step {step} after {timeout_s:.0f} s")
             if deadline is not None and time.time() >= deadline:
+                if self.sock.poll(0):  # served just now: trained, not left consumed
+                    batch = self.decoder.try_decode(
+                        self.sock.recv(copy=False).buffer, "trainer socket"
+                    )
+                    if isinstance(batch, Batch) and batch.step == step:
+                        return batch
                 log.warning(
                     "step %d: the time limit passed waiting %.0f s for its batch", step, now - start
                 )

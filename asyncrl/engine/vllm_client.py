@@ -44,8 +44,9 @@ chosen release (``--vllm-version``), so this client is tested against both.
   which drops it) or refused with 503 (0.33 on): either way it is sent again.
 - **Weights from disk.** ``POST /collective_rpc`` {``method: "reload_weights"``,
   ``kwargs: {"weights_path", "is_checkpoint_format": true}``} loads the HF directory;
-  ``POST /update_weight_version`` {``new_version``} labels it (read back by ``GET
-  /weight_info`` at attach); ``POST /resume``. The pause's ``clear_cache=true`` empties
+  ``POST /update_weight_version`` {``new_version``} labels it (``GET /weight_info``; a
+  server found labelled at attach is taken as torn, its weights another run's or this
+  run's before a trainer restart); ``POST /resume``. The pause's ``clear_cache=true`` empties
   the prefix cache, so nothing computed by the old weights is reused. vLLM's NCCL weight
   transfer is what ``weight_update=nccl`` drives (``gloo`` against asyncrl's front): the
   pause and drain as above, then the trainer sends the version into this server when
@@ -224,7 +225,17 @@ class VllmServerApi:
             )
         self.servers[url] = server
         info = await get_json(session, url, "/weight_info")  # {} without dev mode
-        state.version = as_version(info.get("weight_version"), state.version)
+        label = as_version(info.get("weight_version"), 0)
+        if label > 0:
+            # The label names no run: the weights may be another run's (whose versions
+            # this run's would never pass), or this run's before its trainer restarted.
+            state.torn = True
+            log.warning(
+                "the vLLM server at %s is labelled v%d by an earlier client: it gets no "
+                "request until this run's weights are loaded into it",
+                url,
+                label,
+            )
         if (await get_json(session, url, "/is_paused")).get("is_paused"):
             state.torn = True
             log.warning(
