@@ -56,7 +56,9 @@ def test_launcher_runs_tiny_grpo(tmp_path, tiny_model_dir, max_staleness):
     assert all(math.isfinite(r["train/loss"]) for r in records)
     counters = json.loads((run_dir / "buffer_counters.json").read_text())
     assert counters["buffer/version"] == 4
-    assert counters["buffer/generator_version_max"] >= 2  # generators flipped to published weights
+    # Generators flipped to published weights. Not necessarily past v1: with η = 2 the
+    # first versions' tokens may fill all four batches, and an idle generator flips late.
+    assert counters["buffer/generator_version_max"] >= 1
     assert (
         counters["buffer/newest_consumed_version"] >= 1
     )  # tokens made by updated weights were trained on
