@@ -1,13 +1,13 @@
 """Held-out evaluation: greedy accuracy of a policy on a task's eval split.
 
-Runs on one process (trainer rank 0) through an embedded engine of its own (DESIGN §8),
-so sharded trainer ranks never step a decode loop in lockstep. The stages' engine holds
-no weights and no KV cache between evaluations; each evaluation lends it the gathered
-weights (``holding_weights``: the engine adopts the tensors, so rank 0 holds one
-unsharded copy, only while it evaluates), then submits
-every prompt at temperature 0 (greedy) and lets continuous batching run them through
-``batch_size`` slots. Prompts are tokenized as the generators tokenize them (no special
-tokens added). The test pins it to transformers' greedy ``generate``, its former path.
+Runs on one process (trainer rank 0) through an embedded engine of its own (docs/design.md,
+Engines), so sharded trainer ranks never step a decode loop in lockstep. The stages' engine
+holds no weights and no KV cache between evaluations; each evaluation lends it the gathered
+weights (``holding_weights``: the engine adopts the tensors, so rank 0 holds one unsharded
+copy, only while it evaluates), then submits every prompt at temperature 0 (greedy) and lets
+continuous batching run them through ``batch_size`` slots. Prompts are tokenized as the
+generators tokenize them (no special tokens added). The test pins it to transformers' greedy
+``generate``, its former path.
 """
 
 from __future__ import annotations

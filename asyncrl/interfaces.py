@@ -100,7 +100,8 @@ class WeightPublisher(Protocol):
 class Engine(Protocol):
     """An inference engine: continuous batching over requests, one token per running
     request per ``step``, each with its behavior logprob and weights version; new weights
-    flipped in between two steps, so decoding never waits for a transfer (DESIGN §5, §8)."""
+    flipped in between two steps, so decoding never waits for a transfer (docs/design.md,
+    Weights without stopping generation; Engines)."""
 
     def submit(self, request: Request) -> None:
         """Queue a request; it joins the running batch at a later step. ``ValueError`` for

@@ -1,10 +1,10 @@
 """ZeroMQ transport: endpoints, sockets with bounded queues, and the rendezvous file.
 
-Patterns (DESIGN §3): generators PUSH chunks and heartbeats to the buffer's PULL socket;
-generators (DEALER) ask the buffer (ROUTER) for leases; trainer ranks (DEALER) ask the
-buffer (ROUTER) for batches and announce versions; the trainer PUBlishes weights that
-generators SUBscribe to. Endpoints default to ``ipc://`` sockets inside the run directory
-(or loopback TCP on ports the OS picks); whoever binds writes its endpoints into
+Patterns (docs/architecture.md, Messages): generators PUSH chunks and heartbeats to the
+buffer's PULL socket; generators (DEALER) ask the buffer (ROUTER) for leases; trainer ranks
+(DEALER) ask the buffer (ROUTER) for batches and announce versions; the trainer PUBlishes
+weights that generators SUBscribe to. Endpoints default to ``ipc://`` sockets inside the run
+directory (or loopback TCP on ports the OS picks); whoever binds writes its endpoints into
 ``RUN_DIR/endpoints/ROLE.json`` and the others read them there, so no port is hard-coded.
 Across nodes (``launch/slurm.py``) the run directory is on a shared filesystem and
 ``host="*"`` binds every interface and advertises this node's name.

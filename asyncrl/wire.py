@@ -1,5 +1,5 @@
 """The wire protocol: one ``msgspec.Struct`` per message, msgpack-encoded, tagged by class
-name, each carrying the protocol version and the run id (DESIGN §3).
+name, each carrying the protocol version and the run id (docs/architecture.md, Messages).
 
 Who sends what:
 

@@ -11,8 +11,8 @@
 #
 # Needs root (packages, /etc, daemons) and works without systemd: every daemon is started
 # and stopped here by hand. This host is the controller and the only compute node; its CPUs
-# and memory are read from the machine. Settings follow shared/notes/slurm-local.md (the
-# cgroup-free plugins are what make slurmd run in a container).
+# and memory are read from the machine. The cgroup-free plugins (proctrack/linuxproc,
+# task/none, no cgroup.conf) are what make slurmd run in a container without systemd.
 set -euo pipefail
 
 CONF_DIR=/etc/slurm

@@ -1,5 +1,6 @@
-"""Advantage estimators and reward shaping (DESIGN §6). Plain tensor functions, apart from
-the plumbing: the trainer broadcasts sequence-level advantages over completion tokens.
+"""Advantage estimators and reward shaping (docs/design.md, The loss). Plain tensor
+functions, apart from the plumbing: the trainer broadcasts sequence-level advantages over
+completion tokens.
 
 - GRPO: reward minus the group mean, divided by the group std unless ``scale_by_std``
   is off (Dr.GRPO, which drops the std to avoid favouring easy or hard prompts).

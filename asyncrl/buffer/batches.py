@@ -1,5 +1,5 @@
 """The batch server: the buffer's part that turns complete groups into the trainer's
-batches, one per step, under the staleness bound (DESIGN §4).
+batches, one per step, under the staleness bound (docs/design.md, Versions and staleness).
 
 At consumption a group whose oldest token is more than η versions older than the step
 is dropped and its prompt leased again (``GroupAssembler.drop_stale``); the rest are

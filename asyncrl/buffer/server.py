@@ -1,4 +1,5 @@
-"""The buffer process: ``RolloutBuffer`` behind ZeroMQ sockets (DESIGN §2–§3).
+"""The buffer process: ``RolloutBuffer`` behind ZeroMQ sockets (docs/architecture.md,
+Processes and their sockets; Messages).
 
 Sockets it binds (endpoints published in ``RUN_DIR/endpoints/buffer.json``):
 

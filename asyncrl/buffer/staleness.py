@@ -1,4 +1,5 @@
-"""Admission under the staleness bound (DESIGN §4, AReaL Eq. 3)."""
+"""Admission under the staleness bound, AReaL's Eq. 3 (docs/design.md, Versions and
+staleness)."""
 
 from __future__ import annotations
 

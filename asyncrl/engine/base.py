@@ -1,14 +1,15 @@
 """What an engine takes and gives: requests, generated tokens, finish reports, status.
 
-A generator (DESIGN §2) wraps one engine through the ``Engine`` protocol
-(``asyncrl.interfaces``): it submits ``Request``s, calls ``step`` in a loop and streams
-the ``GeneratedToken``s it returns, aborts requests whose lease was withdrawn, hands new
-``Weights`` (tensors, or a directory on disk) to ``stage_weights`` as the trainer
-publishes them, and reads an ``EngineStatus`` to decide how many leases to ask for. Two
-implementations: the embedded torch engine (``asyncrl.engine.embedded``) and the remote
-engine (``asyncrl.engine.remote``), which drives sglang or vLLM servers, or asyncrl's
-front for the embedded engine (both APIs), over HTTP. Every generated token carries
-its behavior logprob and the policy version that produced it (DESIGN §4).
+A generator (docs/architecture.md, Processes and their sockets) wraps one engine through the
+``Engine`` protocol (``asyncrl.interfaces``): it submits ``Request``s, calls ``step`` in a
+loop and streams the ``GeneratedToken``s it returns, aborts requests whose lease was
+withdrawn, hands new ``Weights`` (tensors, or a directory on disk) to ``stage_weights`` as
+the trainer publishes them, and reads an ``EngineStatus`` to decide how many leases to ask
+for. Two implementations: the embedded torch engine (``asyncrl.engine.embedded``) and the
+remote engine (``asyncrl.engine.remote``), which drives sglang or vLLM servers, or asyncrl's
+front for the embedded engine (both APIs), over HTTP. Every generated token carries its
+behavior logprob and the policy version that produced it (docs/design.md, Versions and
+staleness).
 """
 
 from __future__ import annotations

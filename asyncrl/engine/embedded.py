@@ -1,4 +1,4 @@
-"""The embedded engine: asyncrl's own torch inference engine (DESIGN §8).
+"""The embedded engine: asyncrl's own torch inference engine (docs/design.md, Engines).
 
 Continuous batching over a preallocated slot KV cache: requests wait in a queue, join
 the running batch between steps (new prompts prefilled together) and leave it when they
@@ -8,13 +8,14 @@ step gives every running request one token with its behavior logprob and weights
 version; one ends at EOS, a stop token or string (``asyncrl.engine.stops``), or length.
 
 It implements the ``Engine`` protocol (``asyncrl.interfaces``), configured by
-``EmbeddedEngineConfig`` (``engine.embedded.*``). Weights are double-buffered (DESIGN
-§5): ``stage_weights`` hands a state dict (or one read from a directory) to a background
-thread (a lower priority with ``yield_staging``) that puts it into the idle copy of the
-model while decoding goes on; the next ``step`` swaps the two by reference, so a flip
-costs no copy on the decode path. In-flight sequences then follow ``flip_policy``:
-``keep`` (the default) continues on the old cache, ``recompute`` re-prefills their tokens
-under the new weights (AReaL's interruptible generation).
+``EmbeddedEngineConfig`` (``engine.embedded.*``). Weights are double-buffered
+(docs/design.md, Weights without stopping generation): ``stage_weights`` hands a state dict
+(or one read from a directory) to a background thread (a lower priority with
+``yield_staging``) that puts it into the idle copy of the model while decoding goes on; the
+next ``step`` swaps the two by reference, so a flip costs no copy on the decode path.
+In-flight sequences then follow ``flip_policy``: ``keep`` (the default) continues on the old
+cache, ``recompute`` re-prefills their tokens under the new weights (AReaL's interruptible
+generation).
 
 An engine sharing its process with a trainer (colocated, evaluation on rank 0) gives its
 memory back while the trainer works: ``release_memory`` frees the KV cache and both

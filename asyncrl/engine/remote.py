@@ -1,4 +1,5 @@
-"""The remote engine: the ``Engine`` interface over sglang's or vLLM's HTTP API (DESIGN §8).
+"""The remote engine: the ``Engine`` interface over sglang's or vLLM's HTTP API
+(docs/design.md, Engines).
 
 A generator with ``engine.backend="remote"`` drives one or more inference servers (sglang,
 vLLM, or asyncrl's front for the embedded engine) that it launches or attaches to
@@ -35,8 +36,8 @@ the embedded engine. What differs between servers is one ``ServerApi`` object
   request. The server re-prefills that prefix under the new weights (its cache was
   flushed with the update), so later tokens are sampled from, and carry, the new
   version, while every earlier token keeps the version and behavior logprob it was
-  sampled with. That is all the decoupled loss needs (DESIGN §6): it corrects each token
-  by its own behavior logprob, whichever policy produced it.
+  sampled with. That is all the decoupled loss needs (docs/design.md, The loss): it corrects
+  each token by its own behavior logprob, whichever policy produced it.
 - **Servers that stop answering** (``ServerWatch``, ``asyncrl.engine.server_watch``):
   their requests go back in the queue, a launched one is restarted, an attached one
   still down after ``dead_after_s`` ends the engine with ``ServerFailed``.

@@ -1,5 +1,6 @@
-"""Inference servers for the remote engine (DESIGN §8): launching or attaching to them
-(``RemoteEngineConfig``, ``asyncrl.engine.config``), and the weight directories they load.
+"""Inference servers for the remote engine (docs/design.md, Engines): launching or attaching
+to them (``RemoteEngineConfig``, ``asyncrl.engine.config``), and the weight directories they
+load.
 
 A generator with ``engine.backend="remote"`` drives HTTP servers that speak sglang's
 native API or vLLM's. It attaches to servers already running (``urls``), or launches

@@ -1,4 +1,5 @@
-"""What a generator measures about itself (DESIGN §5, §10).
+"""What a generator measures about itself (docs/design.md, Weights without stopping
+generation; What is measured).
 
 The design claims that generators never pause for weight updates; these figures check
 it. ``GeneratorWorker`` feeds one ``GeneratorStats`` from its decode loop (engine steps,

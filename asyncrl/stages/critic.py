@@ -1,4 +1,5 @@
-"""PPO's critic for the RL stage (DESIGN §6): a value model trained beside the policy.
+"""PPO's critic for the RL stage (docs/design.md, The loss): a value model trained beside
+the policy.
 
 The critic is the policy's architecture with a scalar head (``ModelConfig.head="value"``,
 started from the policy's backbone with a zero head unless ``path`` names a trained value

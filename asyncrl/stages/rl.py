@@ -1,4 +1,4 @@
-"""Online RL, the asynchronous core (DESIGN §4–§6): the trainer ranks' side.
+"""Online RL, the asynchronous core (docs/design.md): the trainer ranks' side.
 
 ``run`` is the loop, one step per batch: each rank asks its ``BatchSource`` for its share
 of step i's batch (whole groups, staleness checked), packs it into micro-batches, takes

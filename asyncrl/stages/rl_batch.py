@@ -1,8 +1,8 @@
 """From a buffer batch to training inputs, and the policy's update, for the RL step
-(DESIGN §6): group rewards to per-token advantages (or token rewards, for the critic),
-micro-batches, the logprobs of the step's starting weights (proximal) and of the frozen
-reference (for a KL term), the decoupled-PPO loss over a micro-batch, and the optimizer
-update(s) of a batch; DAPO's overlong filtering (``trained_mask``), the batch's
+(docs/design.md, The loss): group rewards to per-token advantages (or token rewards, for the
+critic), micro-batches, the logprobs of the step's starting weights (proximal) and of the
+frozen reference (for a KL term), the decoupled-PPO loss over a micro-batch, and the
+optimizer update(s) of a batch; DAPO's overlong filtering (``trained_mask``), the batch's
 completion-length figures (``length_scalars``) and the train–inference mismatch of its
 tokens (``mismatch_scalars``).
 

@@ -96,10 +96,10 @@ class RLExperiment:
     num_generators: int = 1
     """Generator processes."""
     placement: Literal["async", "colocated"] = "async"
-    """``async``: buffer, generator and trainer processes (DESIGN §2). ``colocated``: one
-    trainer process alternates generation and training on the cores the async placement
-    would use, on-policy (``buffer.max_staleness`` becomes 0): the synchronous
-    hybrid-engine baseline, through the same RL step."""
+    """``async``: buffer, generator and trainer processes (docs/architecture.md, Processes
+    and their sockets). ``colocated``: one trainer process alternates generation and
+    training on the cores the async placement would use, on-policy (``buffer.max_staleness``
+    becomes 0): the synchronous hybrid-engine baseline, through the same RL step."""
     init_from_experiment: str = ""
     """Experiment file whose run writes ``model.path``; the launcher runs it first when
     that directory is missing (e.g. SFT before RL)."""

@@ -1,7 +1,7 @@
-"""Weight publication from trainer rank 0 to the generators (DESIGN §5). Four transports,
-each an ``asyncrl.interfaces.WeightPublisher`` (``publish``, ``republish``, ``close``);
-``weight_publisher`` picks one from the config, and the other ranks get a
-``NoWeightPublisher`` (they only join the gathers):
+"""Weight publication from trainer rank 0 to the generators (docs/design.md, Weights without
+stopping generation). Four transports, each an ``asyncrl.interfaces.WeightPublisher``
+(``publish``, ``republish``, ``close``); ``weight_publisher`` picks one from the config, and
+the other ranks get a ``NoWeightPublisher`` (they only join the gathers):
 
 - ``BucketPublisher`` (embedded engines; ``asyncrl.weights``): fixed-size buckets on a PUB
   socket, deltas between anchors, each checked; each generator rebuilds the version and

@@ -1,4 +1,5 @@
-"""Reading the parameters out for a weights publish, beside training (DESIGN §5).
+"""Reading the parameters out for a weights publish, beside training (docs/design.md,
+Weights without stopping generation).
 
 ``ParameterReadout.full_parameters`` hands a publisher the parameters one at a time; the
 publisher may read them on its own thread while the trainer goes on with the next batch

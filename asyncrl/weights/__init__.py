@@ -1,5 +1,5 @@
 """Weights from the trainer to the generators' embedded engines, in buckets, by deltas
-(DESIGN §5).
+(docs/design.md, Weights without stopping generation).
 
 - ``config``: ``WeightSyncConfig`` (``transport.weights``): dtype on the wire, bucket size,
   how often a full anchor goes out, compression, the timeout.
