@@ -18,8 +18,8 @@ from asyncrl.algorithms.losses import PPOLossConfig
 from asyncrl.buffer.config import BufferConfig
 from asyncrl.buffer.rewards import RewardConfig
 from asyncrl.config import load_experiment
+from asyncrl.engine.leases import SamplingConfig
 from asyncrl.models import ModelConfig
-from asyncrl.rollout import SamplingConfig
 from asyncrl.stages.rl import RLConfig, RLExperiment
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 

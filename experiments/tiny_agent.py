@@ -20,10 +20,10 @@ from asyncrl.buffer.rewards import RewardConfig
 from asyncrl.config import load_experiment
 from asyncrl.engine.config import EngineConfig, RemoteEngineConfig
 from asyncrl.engine.embedded import EmbeddedEngineConfig
+from asyncrl.engine.leases import SamplingConfig
 from asyncrl.envs.calculator import STOP
 from asyncrl.evaluation import EvalConfig
 from asyncrl.models import ModelConfig
-from asyncrl.rollout import SamplingConfig
 from asyncrl.stages.rl import RLExperiment
 from asyncrl.trainer.config import TrainerConfig
 

@@ -11,10 +11,9 @@ import sys
 
 import zmq
 
-from asyncrl.buffer.config import BufferConfig
+from asyncrl.buffer.config import BufferConfig, RolloutConfig
 from asyncrl.config import save_json
 from asyncrl.models import ModelConfig
-from asyncrl.rollout import RolloutConfig
 from asyncrl.tasks import TaskConfig
 from asyncrl.transport import make_socket, read_endpoints
 from asyncrl.wire import Chunk, LeaseGrant, LeaseRequest, WireDecoder, encode

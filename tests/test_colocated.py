@@ -25,16 +25,16 @@ from asyncrl.buffer.rewards import RewardConfig
 from asyncrl.config import ConfigError
 from asyncrl.engine.config import EngineConfig
 from asyncrl.engine.embedded import EmbeddedEngineConfig
+from asyncrl.engine.leases import SamplingConfig
+from asyncrl.logprobs import token_logprobs
 from asyncrl.metrics import MetricsConfig, read_metrics
 from asyncrl.models import ModelConfig, load_tokenizer
-from asyncrl.rollout import SamplingConfig
 from asyncrl.stages.colocated import ColocatedRollout
 from asyncrl.stages.rl import RLExperiment
 from asyncrl.stages.rl_batch import to_sequences
 from asyncrl.tasks import TaskConfig
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import TrainerCore
-from asyncrl.trainer.logprobs import token_logprobs
 from asyncrl.trainer.packing import make_micro_batches
 from asyncrl.wire import SamplingSpec
 

@@ -53,6 +53,8 @@ def test_the_design_sections_the_code_cites_exist():
     }
     cited = set()
     for path in tracked_text_files():
+        if path.name in ("test_docs.py", "design.md"):  # they show the form, quoted
+            continue
         text = " ".join(path.read_text(errors="replace").split())  # citations may wrap
         for match in re.finditer(r"docs/design\.md, ([^)]*)\)", text):
             cited |= {name.strip() for name in match.group(1).split(";")}

@@ -16,11 +16,11 @@ from asyncrl.engine.base import Request, SamplingParams
 from asyncrl.engine.decoder import CachedDecoder, KVCache
 from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from asyncrl.engine.servers import write_weights_dir
+from asyncrl.logprobs import token_logprobs
 from asyncrl.models import ModelConfig, load_model, load_tokenizer, model_config
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import TrainerCore
 from asyncrl.trainer.dist import init_distributed
-from asyncrl.trainer.logprobs import token_logprobs
 from asyncrl.trainer.packing import TokenSequence, make_micro_batches
 
 

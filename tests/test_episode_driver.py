@@ -8,10 +8,11 @@ from __future__ import annotations
 import threading
 import time
 
+from asyncrl.buffer.config import RolloutConfig
+from asyncrl.engine.leases import PendingLease, SamplingConfig
 from asyncrl.episodes import Step
 from asyncrl.episodes.driver import MAX_TURN_RETRIES, EpisodeDriver
 from asyncrl.models import ModelConfig
-from asyncrl.rollout import PendingLease, RolloutConfig, SamplingConfig
 from asyncrl.tasks import TaskConfig
 from asyncrl.transport import TransportConfig
 from asyncrl.wire import Lease, SamplingSpec

@@ -19,16 +19,16 @@ from types import SimpleNamespace
 import torch
 
 from asyncrl.buffer.client import BufferClient
-from asyncrl.buffer.config import BufferConfig
+from asyncrl.buffer.config import BufferConfig, RolloutConfig
 from asyncrl.config import save_json
 from asyncrl.engine.base import StepOutput
 from asyncrl.engine.config import EngineConfig
 from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from asyncrl.engine.leases import SamplingConfig
 from asyncrl.generator.worker import GeneratorWorker
 from asyncrl.interfaces import FullParameters
 from asyncrl.metrics import MetricsConfig
 from asyncrl.models import ModelConfig, load_model, load_tokenizer
-from asyncrl.rollout import RolloutConfig, SamplingConfig
 from asyncrl.stages.rl_batch import to_sequences
 from asyncrl.stages.rl_config import RLConfig
 from asyncrl.tasks import TaskConfig

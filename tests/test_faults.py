@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import zmq
 
-from asyncrl.buffer.config import BufferConfig
+from asyncrl.buffer.config import BufferConfig, RolloutConfig
 from asyncrl.buffer.core import RolloutBuffer
 from asyncrl.buffer.rewards import RewardConfig
 from asyncrl.buffer.scoring import InlineScoring
@@ -27,10 +27,11 @@ from asyncrl.buffer.wal import Chunked, Rewarded, read_events
 from asyncrl.config import save_json
 from asyncrl.engine.config import EngineConfig
 from asyncrl.engine.embedded import EmbeddedEngineConfig
+from asyncrl.engine.leases import SamplingConfig
 from asyncrl.models import ModelConfig, load_model
-from asyncrl.rollout import RolloutConfig, SamplingConfig, TaskPrompts
 from asyncrl.stages.common import stage_clock
 from asyncrl.tasks import TaskConfig, build_task
+from asyncrl.tasks.stream import TaskPrompts
 from asyncrl.transport import TransportConfig, make_socket, read_endpoints
 from asyncrl.wire import Chunk, LeaseRequest, WireDecoder, encode
 

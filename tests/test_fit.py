@@ -15,7 +15,7 @@ from asyncrl.buffer.scoring import InlineScoring
 from asyncrl.config import ConfigError, apply_overrides, load_experiment
 from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from asyncrl.generator.worker import GeneratorWorker
-from asyncrl.stages.fit import fit_context, prompt_sizes
+from asyncrl.tasks.fit import fit_context, prompt_sizes
 from asyncrl.wire import Chunk, Lease, SamplingSpec, WireDecoder
 
 

@@ -22,13 +22,13 @@ import torch
 import zmq
 
 from asyncrl.buffer.client import BufferClient
-from asyncrl.buffer.config import BufferConfig
+from asyncrl.buffer.config import BufferConfig, RolloutConfig
 from asyncrl.config import save_json
 from asyncrl.engine.config import EngineConfig
 from asyncrl.engine.embedded import EmbeddedEngineConfig
+from asyncrl.engine.leases import SamplingConfig
 from asyncrl.interfaces import FullParameters
 from asyncrl.models import ModelConfig
-from asyncrl.rollout import RolloutConfig, SamplingConfig
 from asyncrl.tasks import TaskConfig
 from asyncrl.transport import TransportConfig, bind, make_socket, read_endpoints, write_endpoints
 from asyncrl.weights.receiver import WeightsReceiver

@@ -5,7 +5,9 @@ Every import of every ``asyncrl`` module counts: at the top, inside functions an
 together). An import names the most precise module it can: ``from asyncrl.x import y``
 is an edge to ``asyncrl.x.y`` when that is a module, else to ``asyncrl.x``. The rules:
 
-- no import cycle between modules of ``asyncrl``;
+- the layers of ``LAYERS`` (docs/architecture.md, Layers), bottom to top: a module
+  imports nothing from a layer above its own, and every module of the package is in one;
+- no import cycle between modules of ``asyncrl``, nor between its top-level packages;
 - the buffer (``asyncrl.buffer``) imports nothing from the trainer, the stages or the
   generator: it is what they talk to, not the other way round;
 - a stage imports nothing from a process's internals (``asyncrl.generator.worker``,
@@ -162,6 +164,79 @@ def report(bad: list[Import]) -> str:
 
 
 # ---- the rules --------------------------------------------------------------------------
+LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
+    (name, frozenset(members.split()))
+    for name, members in (
+        ("foundations", "wire security seeds metrics report background balance config liveness"),
+        ("transport", "transport process_groups"),
+        ("models and data", "models logprobs chat_tokenizers shapes tasks"),
+        ("engines", "engine interfaces"),
+        ("weights", "weights"),
+        ("buffer", "buffer"),
+        ("rollout", "episodes envs generator sim"),
+        ("trainer", "algorithms trainer"),
+        ("stages", "stages evaluation"),
+        ("launcher", "launcher"),
+    )
+)
+"""``asyncrl``'s top-level modules and packages by layer, bottom first."""
+
+
+def top(module: str) -> str:
+    """The top-level module or package of ``asyncrl`` a module belongs to."""
+    return module.split(".")[1] if module.count(".") else module
+
+
+def layer_of(module: str) -> int:
+    for index, (_, members) in enumerate(LAYERS):
+        if top(module) in members:
+            return index
+    raise AssertionError(f"{module} is in no layer of LAYERS: add {top(module)!r} to one")
+
+
+def upward(imports) -> list[Import]:
+    return [
+        imp
+        for imp in imports
+        if imp.importer != "asyncrl" and layer_of(imp.target) > layer_of(imp.importer)
+    ]
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    bad = upward(all_imports())
+    listing = "\n".join(
+        f"{imp.where()}: {imp.importer} ({LAYERS[layer_of(imp.importer)][0]}) imports "
+        f"{imp.target} ({LAYERS[layer_of(imp.target)][0]})"
+        for imp in bad
+    )
+    assert not bad, f"imports from a layer above:\n{listing}"
+
+
+def test_the_layer_rule_sees_an_upward_import(tmp_path):
+    """An upward import added to a module (here, the buffer importing a stage, inside a
+    function) is caught."""
+    path = tmp_path / "probe.py"
+    path.write_text("def f():\n    from asyncrl.stages import rl\n")
+    added = imports_of("asyncrl.buffer.probe", path, set(module_files()))
+    assert [imp.target for imp in upward(added)] == ["asyncrl.stages.rl"]
+
+
+def test_every_module_is_in_a_layer():
+    for module in module_files():
+        if module != "asyncrl":
+            layer_of(module)
+
+
+def test_no_cycles_between_packages():
+    edges: dict[str, set[str]] = {}
+    for imp in all_imports():
+        a, b = top(imp.importer), top(imp.target)
+        if imp.importer != "asyncrl" and a != b:
+            edges.setdefault(a, set()).add(b)
+    found = [" -> ".join(cycle) for cycle, _ in cycles(edges)]
+    assert not found, "import cycles between asyncrl's packages:\n" + "\n".join(found)
+
+
 PROBE = """
 from typing import TYPE_CHECKING
 

@@ -20,16 +20,16 @@ import msgspec
 import pytest
 import zmq
 
-from asyncrl.buffer.config import BufferConfig
+from asyncrl.buffer.config import BufferConfig, RolloutConfig
 from asyncrl.buffer.core import RolloutBuffer
 from asyncrl.buffer.scoring import InlineScoring, buffer_counters
 from asyncrl.buffer.server import BufferServer
 from asyncrl.buffer.wal import Journal, Revoked, frame, read_events, replay
 from asyncrl.config import ConfigError, apply_overrides, from_dict
 from asyncrl.engine.base import EngineStatus, Finished, GeneratedToken, Request, StepOutput
+from asyncrl.engine.leases import SamplingConfig
 from asyncrl.generator.worker import GeneratorWorker
 from asyncrl.metrics import MetricsConfig
-from asyncrl.rollout import RolloutConfig, SamplingConfig
 from asyncrl.transport import TransportConfig, make_socket, read_endpoints
 from asyncrl.wire import Chunk, LeaseRequest, LeaseRevoked, SamplingSpec, WireDecoder, encode
 

@@ -16,13 +16,13 @@ import torch
 
 from asyncrl.algorithms.losses import DPOLossConfig, bradley_terry_loss, dpo_loss
 from asyncrl.buffer.reward_model import score_sequences
+from asyncrl.logprobs import token_logprobs
 from asyncrl.models import ModelConfig, load_model, load_tokenizer
 from asyncrl.stages.dpo import reference_logprobs
 from asyncrl.stages.pairs import PairData, pair_micro_batches, split_pairs
 from asyncrl.stages.reward_model import completion_scores
 from asyncrl.tasks.prompts import PromptRenderer
 from asyncrl.trainer.config import TrainerConfig
-from asyncrl.trainer.logprobs import token_logprobs
 from asyncrl.trainer.packing import TokenSequence, make_micro_batches
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,10 +13,11 @@ from asyncrl.buffer.core import RolloutBuffer
 from asyncrl.buffer.scoring import InlineScoring
 from asyncrl.chat_tokenizers import QWEN_DEFAULT_SYSTEM, small_tokenizer
 from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from asyncrl.engine.leases import PendingLease, lease_request, record_tokens
 from asyncrl.models import load_tokenizer
-from asyncrl.rollout import PendingLease, TaskPrompts, lease_request, record_tokens
 from asyncrl.tasks import Example, TaskConfig, build_task
 from asyncrl.tasks.prompts import PromptRenderer
+from asyncrl.tasks.stream import TaskPrompts
 from asyncrl.wire import Chunk, SamplingSpec
 
 QUESTION = "What is 12 + 30?"

@@ -16,7 +16,7 @@ import torch
 
 from asyncrl.buffer import reward_model
 from asyncrl.buffer.client import BufferClient
-from asyncrl.buffer.config import BufferConfig
+from asyncrl.buffer.config import BufferConfig, RolloutConfig
 from asyncrl.buffer.core import RolloutBuffer
 from asyncrl.buffer.groups import ToScore
 from asyncrl.buffer.reward_model import RewardModelScorer, score_sequences
@@ -25,11 +25,12 @@ from asyncrl.buffer.scoring import Scoring, buffer_counters
 from asyncrl.buffer.server import BufferServer
 from asyncrl.engine.config import EngineConfig
 from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from asyncrl.engine.leases import SamplingConfig
 from asyncrl.generator.worker import GeneratorWorker
 from asyncrl.metrics import MetricsConfig
 from asyncrl.models import ModelConfig, load_model, load_tokenizer
-from asyncrl.rollout import RolloutConfig, SamplingConfig, TaskPrompts
 from asyncrl.tasks import TaskConfig, build_task
+from asyncrl.tasks.stream import TaskPrompts
 
 TASK_CFG = TaskConfig(train_size=200, eval_size=10)
 

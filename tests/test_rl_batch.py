@@ -13,8 +13,8 @@ import torch
 
 from asyncrl.algorithms.losses import PPOLossConfig
 from asyncrl.config import ConfigError
+from asyncrl.engine.leases import SamplingConfig
 from asyncrl.models import ModelConfig, load_model
-from asyncrl.rollout import SamplingConfig
 from asyncrl.stages.rl import RLConfig, RLExperiment
 from asyncrl.stages.rl_batch import (
     add_reference_logprobs,

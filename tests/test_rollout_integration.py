@@ -14,14 +14,14 @@ import time
 from pathlib import Path
 
 from asyncrl.buffer.client import BufferClient
-from asyncrl.buffer.config import BufferConfig
+from asyncrl.buffer.config import BufferConfig, RolloutConfig
 from asyncrl.config import save_json
 from asyncrl.engine.config import EngineConfig
 from asyncrl.engine.embedded import EmbeddedEngineConfig
+from asyncrl.engine.leases import SamplingConfig
 from asyncrl.interfaces import FullParameters
 from asyncrl.metrics import MetricsConfig, read_metrics
 from asyncrl.models import ModelConfig, load_model
-from asyncrl.rollout import RolloutConfig, SamplingConfig
 from asyncrl.tasks import TaskConfig
 from asyncrl.transport import TransportConfig
 from asyncrl.weights.sender import BucketPublisher

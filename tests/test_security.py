@@ -18,14 +18,14 @@ import pytest
 import zmq
 
 from asyncrl import security
-from asyncrl.buffer.config import BufferConfig
+from asyncrl.buffer.config import BufferConfig, RolloutConfig
 from asyncrl.buffer.core import RolloutBuffer
 from asyncrl.buffer.scoring import InlineScoring
 from asyncrl.buffer.server import BufferServer
 from asyncrl.models import ModelConfig
-from asyncrl.rollout import RolloutConfig, TaskPrompts
 from asyncrl.security import CurveKeyError, curve_enabled, ensure_keys, secure_client
 from asyncrl.tasks import TaskConfig, build_task
+from asyncrl.tasks.stream import TaskPrompts
 from asyncrl.transport import (
     TransportConfig,
     bind,

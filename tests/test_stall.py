@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.launcher.supervise import AliveMark, Supervised, supervise
+from asyncrl.launcher.supervise import Supervised, supervise
+from asyncrl.liveness import AliveMark
 from asyncrl.metrics import read_metrics
 from tests.conftest import launch
 
@@ -25,7 +26,7 @@ def test_supervisor_restarts_a_process_whose_loop_stalls_not_one_still_starting(
     died, restarted = tmp_path / "froze_once", tmp_path / "restarted"
     looping = (
         "import os, pathlib, signal, time\n"
-        "from asyncrl.launcher.supervise import AliveMark\n"
+        "from asyncrl.liveness import AliveMark\n"
         f"died, restarted = pathlib.Path({str(died)!r}), pathlib.Path({str(restarted)!r})\n"
         "alive, first = AliveMark(every_s=0.1), not died.exists()\n"
         "died.touch(); restarted.touch() if not first else None\n"

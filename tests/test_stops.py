@@ -15,14 +15,15 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from asyncrl.buffer.config import RolloutConfig
 from asyncrl.buffer.rewards import RewardConfig
 from asyncrl.buffer.scoring import Scoring
 from asyncrl.engine.base import Request, SamplingParams
 from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from asyncrl.engine.leases import SamplingConfig, lease_request
 from asyncrl.engine.stops import StopChecker, text_until_stop, trim_at_stop
 from asyncrl.evaluation import greedy_accuracy, greedy_generate
 from asyncrl.models import ModelConfig, load_tokenizer
-from asyncrl.rollout import RolloutConfig, SamplingConfig, lease_request
 from asyncrl.wire import Lease, SamplingSpec, WireDecoder, encode
 
 PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10], [11, 3], [12, 13, 14, 15], [4, 4, 4, 4, 4, 4], [9]]

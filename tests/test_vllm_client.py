@@ -37,10 +37,10 @@ from asyncrl.engine.vllm_client import (
     completion_payload,
     read_choice,
 )
+from asyncrl.logprobs import token_logprobs
 from asyncrl.metrics import read_metrics
 from asyncrl.models import ModelConfig, load_model
 from asyncrl.seeds import derive_seed
-from asyncrl.trainer.logprobs import token_logprobs
 
 from .sglang_client import free_port, wait_healthy
 from .test_remote_engine import ROOT, drain, perturbed_weights, post, server_stats

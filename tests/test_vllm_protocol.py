@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from asyncrl.engine.vllm_client import check_version, parse_version
+from asyncrl.logprobs import token_logprobs
 from asyncrl.models import ModelConfig, load_model
-from asyncrl.trainer.logprobs import token_logprobs
 
 from .real_vllm import own_weights_dir, real_vllm
 from .sglang_client import Api, Server, free_port, run, wait_healthy

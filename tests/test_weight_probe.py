@@ -10,12 +10,13 @@ import pytest
 import torch
 import zmq
 
+from asyncrl.buffer.config import RolloutConfig
 from asyncrl.config import ConfigError, apply_overrides
 from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from asyncrl.models import ModelConfig, load_model
-from asyncrl.rollout import RolloutConfig
 from asyncrl.stages.rl_config import RLExperiment
-from asyncrl.weights.probe import FlipProbe, TrainerProbe, policy_logprobs, probe_tokens
+from asyncrl.trainer.probe import TrainerProbe
+from asyncrl.weights.probe import FlipProbe, policy_logprobs, probe_tokens
 
 TEXT = "12+34=46 and 7*8=56"
 

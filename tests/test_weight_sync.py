@@ -12,15 +12,15 @@ import pytest
 import torch
 import zmq
 
+from asyncrl.buffer.config import RolloutConfig
 from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from asyncrl.generator.stats import GeneratorStats
 from asyncrl.generator.weights import WeightsIntake
 from asyncrl.interfaces import FullParameters
 from asyncrl.models import ModelConfig, load_model
-from asyncrl.rollout import RolloutConfig
 from asyncrl.trainer.publish import NoWeightPublisher
+from asyncrl.transport import WeightSyncConfig
 from asyncrl.weights import codec
-from asyncrl.weights.config import WeightSyncConfig
 from asyncrl.weights.receiver import NeedAnchor, WeightsReceiver
 from asyncrl.weights.sender import BucketPublisher
 from asyncrl.wire import WeightsBucket

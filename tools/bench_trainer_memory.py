@@ -65,6 +65,7 @@ import torch
 
 from asyncrl.algorithms.losses import kl_estimate, sft_loss
 from asyncrl.balance import split_balanced
+from asyncrl.logprobs import token_logprobs
 from asyncrl.models import ModelConfig, load_model
 from asyncrl.stages.rl_batch import add_reference_logprobs
 from asyncrl.trainer import core as core_module
@@ -76,7 +77,6 @@ from asyncrl.trainer.dist import (
     set_malloc_mmap_threshold,
     shutdown_distributed,
 )
-from asyncrl.trainer.logprobs import token_logprobs
 from asyncrl.trainer.packing import MicroBatch, TokenSequence, make_micro_batches
 
 KL_COEF = 0.05

@@ -145,10 +145,9 @@ def sender_main(conn: Connection, worker_id: str) -> None:
 
 # ---- chunk ingestion (the bench's side) -------------------------------------------------
 def write_rollout_config(run_dir: Path, model_dir: Path, samples_per_prompt: int) -> Path:
-    from asyncrl.buffer.config import BufferConfig
+    from asyncrl.buffer.config import BufferConfig, RolloutConfig
     from asyncrl.config import save_json
     from asyncrl.models import ModelConfig
-    from asyncrl.rollout import RolloutConfig
     from asyncrl.tasks import TaskConfig
 
     # Unbounded admission; nothing expires mid-run (the bench holds leases without heartbeats).

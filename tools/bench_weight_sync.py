@@ -53,12 +53,12 @@ from asyncrl.trainer.packing import TokenSequence, make_micro_batches
 from asyncrl.trainer.publish import NoWeightPublisher
 from asyncrl.transport import (
     TransportConfig,
+    WeightSyncConfig,
     bind,
     make_socket,
     read_endpoints,
     write_endpoints,
 )
-from asyncrl.weights.config import WeightSyncConfig
 from asyncrl.weights.frames import encode_tensors
 from asyncrl.weights.sender import BucketPublisher
 

@@ -11,7 +11,7 @@ from typing import Literal
 
 import torch
 
-from asyncrl.trainer.logprobs import token_logprobs
+from asyncrl.logprobs import token_logprobs
 
 
 def sft_loss(

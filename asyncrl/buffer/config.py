@@ -1,10 +1,20 @@
 """The buffer's settings (``experiment.buffer.*``): batch shape, the staleness bound,
-lease and heartbeat timeouts, filters, and how the buffer process saves its state."""
+lease and heartbeat timeouts, filters, and how the buffer process saves its state; and
+``RolloutConfig``, what the buffer process and the generators are started with (saved
+as JSON in the run directory, read by every one of them)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Literal
+
+from asyncrl.buffer.rewards import RewardConfig
+from asyncrl.engine.config import EngineConfig
+from asyncrl.engine.leases import SamplingConfig
+from asyncrl.metrics import MetricsConfig
+from asyncrl.models import ModelConfig
+from asyncrl.tasks import TaskConfig
+from asyncrl.transport import TransportConfig
 
 
 @dataclass
@@ -73,3 +83,26 @@ class BufferConfig:
     """Batches served to the trainer are kept (at most this many steps) until a trainer
     checkpoint covers them, so a trainer restarted from that checkpoint gets the same
     batches again instead of fresh ones."""
+
+
+@dataclass
+class RolloutConfig:
+    run_dir: str = "runs/rollout"
+    """Run directory: endpoints, logs, metrics."""
+    run_id: str = "rollout"
+    """Every message carries it; messages of another run are refused."""
+    seed: int = 0
+    """Seed of the prompt order and of every sample's draws (each sample's seed is derived
+    from it, its group and its index; ``asyncrl.seeds``)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy's HF directory (generators load it; the buffer reads its tokenizer)."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Scoring in worker processes (``workers=0``: inline in the buffer)."""
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """The generators' engine: ``backend`` and each backend's settings."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """The generators' TensorBoard switch and logging interval (the experiment's own)."""

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from asyncrl.buffer.config import RolloutConfig
 from asyncrl.buffer.core import RolloutBuffer
 from asyncrl.buffer.reward_model import RewardModelScorer, completion_text
 from asyncrl.buffer.rewards import RewardPool
 from asyncrl.engine.stops import text_until_stop
 from asyncrl.models import load_tokenizer
-from asyncrl.rollout import RolloutConfig
 from asyncrl.tasks import build_task
 from asyncrl.tasks.prompts import PromptRenderer
 

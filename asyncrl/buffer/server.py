@@ -43,15 +43,16 @@ from pathlib import Path
 import msgspec
 import zmq
 
+from asyncrl.buffer.config import RolloutConfig
 from asyncrl.buffer.core import RolloutBuffer
 from asyncrl.buffer.scoring import InlineScoring, Scoring, buffer_counters
 from asyncrl.buffer.state import SavedState
 from asyncrl.buffer.wal import Journal, WriteAheadLog, replay
 from asyncrl.config import load_json
 from asyncrl.metrics import MetricsConfig, MetricsLogger
-from asyncrl.rollout import RolloutConfig, TaskPrompts
 from asyncrl.security import refused_peers
 from asyncrl.tasks import build_task
+from asyncrl.tasks.stream import TaskPrompts
 from asyncrl.transport import (
     bind,
     close_context,

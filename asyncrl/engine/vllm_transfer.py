@@ -36,7 +36,7 @@ from aiohttp import web
 from asyncrl.engine.openai_api import error_response, json_response
 from asyncrl.engine.serve_engine import EngineServer
 from asyncrl.engine.serve_protocol import BadRequest, read_json
-from asyncrl.weights.groups import side_group
+from asyncrl.process_groups import side_group
 
 log = logging.getLogger(__name__)
 

@@ -21,12 +21,13 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from asyncrl.buffer.config import RolloutConfig
 from asyncrl.engine.base import Request
+from asyncrl.engine.leases import PendingLease, sampling_params
 from asyncrl.episodes.env import load_environment
 from asyncrl.episodes.episode import Episode, EpisodeRules
 from asyncrl.interfaces import Engine
 from asyncrl.models import load_tokenizer
-from asyncrl.rollout import PendingLease, RolloutConfig, sampling_params
 from asyncrl.tasks import build_task
 from asyncrl.wire import Lease
 

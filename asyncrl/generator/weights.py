@@ -28,10 +28,10 @@ import time
 import zmq
 
 from asyncrl.background import yield_cpu
+from asyncrl.buffer.config import RolloutConfig
 from asyncrl.engine.base import PushFailed
 from asyncrl.generator.stats import GeneratorStats
 from asyncrl.interfaces import Engine
-from asyncrl.rollout import RolloutConfig
 from asyncrl.transport import client_socket, read_endpoints
 from asyncrl.weights.receiver import NeedAnchor, WeightsReceiver
 from asyncrl.wire import (

@@ -31,18 +31,19 @@ from pathlib import Path
 
 import zmq
 
+from asyncrl.buffer.config import RolloutConfig
 from asyncrl.config import ConfigError, load_json
 from asyncrl.engine.base import ServerFailed, StepOutput
 from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.leases import PendingLease, lease_request, record_tokens
 from asyncrl.engine.remote import RemoteEngine
 from asyncrl.episodes.driver import EpisodeDriver
 from asyncrl.generator.stats import GeneratorStats
 from asyncrl.generator.weights import WeightsIntake
 from asyncrl.interfaces import Engine
-from asyncrl.launcher.supervise import EXIT_FATAL, AliveMark
+from asyncrl.liveness import EXIT_FATAL, AliveMark
 from asyncrl.metrics import MetricsLogger
-from asyncrl.rollout import PendingLease, RolloutConfig, lease_request, record_tokens
-from asyncrl.stages.fit import fit_context
+from asyncrl.tasks.fit import fit_context
 from asyncrl.transport import client_socket, read_endpoints, write_endpoints
 from asyncrl.weights.probe import FlipProbe
 from asyncrl.wire import (

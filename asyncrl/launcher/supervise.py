@@ -36,11 +36,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-ALIVE_FILE_ENV = "ASYNCRL_ALIVE_FILE"
-"""Names the file a supervised process touches to show its loop turns."""
-EXIT_FATAL = 78
-"""The exit code of a process whose death a restart cannot repair (EX_CONFIG): the run
-stops with the tail of its log instead of starting it again."""
+from asyncrl.liveness import ALIVE_FILE_ENV, EXIT_FATAL
+
 EXIT_TIME_LIMIT = 124
 """``supervise``'s code when it stopped a run past its hard time limit."""
 HARD_STOP_GRACE_S = 300.0
@@ -69,21 +66,6 @@ def log_tail(path: Path, lines: int = 40) -> str:
 
 def say(message: str) -> None:
     print(f"[launch] {message}", file=sys.stderr, flush=True)
-
-
-class AliveMark:
-    """The process's side of stall detection: ``touch()`` once per loop turn marks the
-    file its supervisor named in ``ASYNCRL_ALIVE_FILE``, at most every ``every_s``
-    (nothing without one: a process started by hand is not watched)."""
-
-    def __init__(self, every_s: float = 1.0) -> None:
-        path = os.environ.get(ALIVE_FILE_ENV)
-        self.path, self.every_s, self.last = Path(path) if path else None, every_s, 0.0
-
-    def touch(self, now: float) -> None:
-        if self.path is not None and now - self.last >= self.every_s:
-            self.path.touch()
-            self.last = now
 
 
 class Supervised:

@@ -32,11 +32,12 @@ from asyncrl.buffer.core import RolloutBuffer
 from asyncrl.buffer.scoring import Scoring, buffer_counters
 from asyncrl.engine.base import StepOutput
 from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.leases import PendingLease, lease_request, record_tokens
 from asyncrl.interfaces import FullParameters
 from asyncrl.metrics import MetricsLogger
-from asyncrl.rollout import PendingLease, TaskPrompts, lease_request, record_tokens
 from asyncrl.stages.common import threads_for
 from asyncrl.tasks import build_task
+from asyncrl.tasks.stream import TaskPrompts
 from asyncrl.trainer.dist import DistInfo
 from asyncrl.wire import Batch, Chunk
 

@@ -18,6 +18,7 @@ from typing import ClassVar, Literal
 import torch
 
 from asyncrl.algorithms.losses import DPOLossConfig, dpo_loss
+from asyncrl.logprobs import token_logprobs
 from asyncrl.models import forward_padded, load_model
 from asyncrl.stages.common import stage_main
 from asyncrl.stages.pairs import (
@@ -31,7 +32,6 @@ from asyncrl.stages.sft import Evaluator
 from asyncrl.tasks import build_task
 from asyncrl.trainer.core import TrainerCore
 from asyncrl.trainer.dist import DistInfo
-from asyncrl.trainer.logprobs import token_logprobs
 from asyncrl.trainer.packing import MicroBatch, TokenSequence
 
 

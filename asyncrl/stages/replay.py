@@ -30,11 +30,12 @@ from asyncrl.buffer.core import RolloutBuffer
 from asyncrl.buffer.wal import Batched, Journal, read_events
 from asyncrl.config import load_json
 from asyncrl.engine.base import Request
-from asyncrl.rollout import TaskPrompts, sampling_params
+from asyncrl.engine.leases import sampling_params
 from asyncrl.seeds import derive_seed
 from asyncrl.stages.common import stage_main
 from asyncrl.stages.rl import run
 from asyncrl.tasks import build_task
+from asyncrl.tasks.stream import TaskPrompts
 from asyncrl.wire import Batch, Sample
 
 

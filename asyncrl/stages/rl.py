@@ -56,8 +56,8 @@ from asyncrl.trainer.checkpoint import (
 )
 from asyncrl.trainer.core import StepStats, TrainerCore, frozen_model
 from asyncrl.trainer.dist import DistInfo, all_reduce_max
+from asyncrl.trainer.probe import TrainerProbe
 from asyncrl.trainer.publish import NoWeightPublisher, weight_publisher
-from asyncrl.weights.probe import TrainerProbe
 from asyncrl.weights.sender import BucketPublisher
 from asyncrl.wire import Batch, Sample
 

@@ -28,11 +28,11 @@ from asyncrl.algorithms.advantages import (
     rloo_advantages,
 )
 from asyncrl.algorithms.losses import PPOLossConfig, kl_estimate, ppo_loss, token_entropy
+from asyncrl.logprobs import token_logprobs
 from asyncrl.stages.critic import reward_on_last_token
 from asyncrl.stages.guard import entropy_for_the_guard
 from asyncrl.trainer.core import StepStats, TrainerCore, micro_batch_logits
 from asyncrl.trainer.dist import all_reduce_max, all_reduce_sum
-from asyncrl.trainer.logprobs import token_logprobs
 from asyncrl.trainer.packing import (
     MicroBatch,
     TokenSequence,

@@ -13,20 +13,20 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from asyncrl.algorithms.losses import PPOLossConfig
-from asyncrl.buffer.config import BufferConfig
+from asyncrl.buffer.config import BufferConfig, RolloutConfig
 from asyncrl.buffer.rewards import RewardConfig
 from asyncrl.config import ConfigError, save_json
 from asyncrl.engine.config import EngineConfig
+from asyncrl.engine.leases import SamplingConfig
 from asyncrl.episodes.env import check_environment
 from asyncrl.evaluation import EvalConfig
 from asyncrl.metrics import MetricsConfig
 from asyncrl.models import ModelConfig
-from asyncrl.rollout import RolloutConfig, SamplingConfig
 from asyncrl.stages.common import ProcessSpec, trainer_ranks
 from asyncrl.stages.critic import CriticConfig
-from asyncrl.stages.fit import fit_context
 from asyncrl.stages.guard import GuardConfig
 from asyncrl.tasks import TaskConfig
+from asyncrl.tasks.fit import fit_context
 from asyncrl.tasks.rewards import check_rewards
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.transport import TransportConfig
@@ -255,7 +255,7 @@ class RLExperiment:
 
     def preflight(self) -> None:
         """What needs the starting policy, checked before any process starts: the engine's
-        context sized to the task, every prompt fitting it (``asyncrl.stages.fit``)."""
+        context sized to the task, every prompt fitting it (``asyncrl.tasks.fit``)."""
         fit_context(self)
 
     def processes(self, config_path: str) -> list[ProcessSpec]:

@@ -1,7 +1,7 @@
 """Prompt rendering: how an ``Example`` becomes the token ids a model is given.
 
 Every consumer renders through one ``PromptRenderer``: the generators' prompt stream
-(``asyncrl.rollout.TaskPrompts``), the buffer's reward-model scorer, SFT data, evaluation
+(``asyncrl.tasks.stream.TaskPrompts``), the buffer's reward-model scorer, SFT data, evaluation
 and preference data. So the tokens the trainer scores are the tokens the engine was
 given, and SFT teaches the layout RL and evaluation prompt with.
 

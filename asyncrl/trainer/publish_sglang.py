@@ -6,7 +6,7 @@ on GPUs. ``asyncrl.trainer.publish.weight_publisher`` picks it.
 Two concerns, apart: what is said to each server over HTTP (this class; the calls and
 their bodies are checked against sglang's released wheels by
 ``tests/test_sglang_wheels.py``, by version), and how the tensors move (``NcclBroadcast``,
-a process group of its own beside the trainer's, ``asyncrl.weights.groups``). The calls
+a process group of its own beside the trainer's, ``asyncrl.process_groups``). The calls
 follow the server's release, read from its ``GET /server_info`` when the group is formed
 (``asyncrl.engine.sglang_api.read_server``): from 0.5.21 sglang refuses
 ``/update_weights_from_distributed`` outside a ``/begin_weight_update`` …
@@ -23,9 +23,9 @@ import torch
 from asyncrl.engine.servers import free_port
 from asyncrl.engine.sglang_api import SglangServer, read_server
 from asyncrl.interfaces import FullParameters
+from asyncrl.process_groups import side_group
 from asyncrl.trainer.server_calls import get_control, post_control
 from asyncrl.transport import advertised_host, read_endpoints
-from asyncrl.weights.groups import side_group
 
 
 class NcclBroadcast:

@@ -35,7 +35,7 @@ drain). The trainer needs ``vllm`` importable and a GPU; the rendezvous is vLLM'
 ``StatelessProcessGroup``, whose TCP store carries NCCL's id in vLLM's own encoding
 (pickle), between vLLM's code on both ends. ``packed`` and the buffer sizes go in
 ``init_info`` (``TransferSender.wire``), where the workers read them: vLLM refuses them
-in ``update_info``. ``gloo`` is a torch group (``asyncrl.weights.groups``) and one
+in ``update_info``. ``gloo`` is a torch group (``asyncrl.process_groups``) and one
 broadcast per tensor: what asyncrl's front speaks, so this path is tested end to end on
 CPU.
 """

@@ -3,7 +3,7 @@ bytes of a version move once the HTTP calls have set the server up
 (``asyncrl.trainer.publish_vllm`` makes those calls and picks a sender by
 ``engine.remote.weight_update``).
 
-- ``GlooSender`` (``gloo``): a torch gloo group (``asyncrl.weights.groups``), one
+- ``GlooSender`` (``gloo``): a torch gloo group (``asyncrl.process_groups``), one
   broadcast per tensor: what asyncrl's front receives, so the path runs on CPU.
 - ``VllmNcclSender`` (``nccl``): vLLM's own code (0.32 to 0.34), on the trainer's GPU:
   ``nccl_common.trainer_init`` joins the group vLLM's workers join, and
@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from asyncrl.weights.groups import side_group
+from asyncrl.process_groups import side_group
 
 
 class TransferSender(Protocol):

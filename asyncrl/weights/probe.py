@@ -6,7 +6,8 @@ encodes it. A generator scores it with the weights it has just flipped in
 (``ProbeScorer.score``, between two decode steps) and pushes a ``ProbeReport`` to
 trainer rank 0 (``FlipProbe``); every trainer rank scores it with each version it
 publishes (a forward of the sharded policy, which the ranks run together), and rank 0
-compares each report with its own logprobs of that version (``TrainerProbe``). The
+compares each report with its own logprobs of that version (``TrainerProbe``,
+``asyncrl.trainer.probe``). The
 largest absolute difference is logged; one above ``probe_alarm`` is an alarm, logged as
 an error and counted, and with ``probe_stop`` it ends the run. Reports travel on a PULL
 socket of their own (``RUN_DIR/endpoints/probe.json``), so the weights path is the same
@@ -17,33 +18,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import zmq
 
 from asyncrl.interfaces import ProbeScorer
+from asyncrl.logprobs import token_logprobs
 from asyncrl.models import load_tokenizer
-from asyncrl.trainer.logprobs import token_logprobs
-from asyncrl.transport import (
-    bind,
-    client_socket,
-    read_endpoints,
-    server_socket,
-    write_endpoints,
-)
-from asyncrl.wire import ProbeReport, WireDecoder, encode
-
-if TYPE_CHECKING:
-    from asyncrl.trainer.dist import DistInfo
+from asyncrl.transport import client_socket, read_endpoints
+from asyncrl.wire import ProbeReport, encode
 
 log = logging.getLogger(__name__)
-
-KEEP_VERSIONS = 64
-"""The trainer's logprobs kept per version: a report about an older version (a generator
-that fell this far behind) is not compared."""
 
 
 def probe_tokens(model_path: str, text: str) -> list[int]:
@@ -63,81 +49,6 @@ def policy_logprobs(model: torch.nn.Module, tokens: list[int], device) -> torch.
     a sharded model needs every rank to call it."""
     ids = torch.tensor([tokens], device=device)
     return token_logprobs(model(input_ids=ids, use_cache=False).logits, ids)[0, 1:].cpu()
-
-
-class TrainerProbe:
-    """The trainer's side: its logprobs of every version it publishes (each rank), and
-    rank 0's comparison with what the generators report."""
-
-    def __init__(self, cfg, info: DistInfo, lineage: str) -> None:
-        self.wcfg, self.info, self.lineage = cfg.transport.weights, info, lineage
-        self.tokens = probe_tokens(cfg.model.path, self.wcfg.probe_text)
-        self.scores: OrderedDict[int, torch.Tensor] = OrderedDict()
-        self.alarms = 0
-        self.pull: zmq.Socket | None = None
-        if info.is_main:
-            t = cfg.transport
-            self.ctx = zmq.Context()
-            self.pull = server_socket(self.ctx, zmq.PULL, t, cfg.run_dir)
-            endpoint = bind(self.pull, t, cfg.run_dir, "trainer-probe")
-            write_endpoints(cfg.run_dir, "probe", {"reports": endpoint})
-            self.decoder = WireDecoder(cfg.run_id, expected=ProbeReport)
-
-    def after_publish(self, model: torch.nn.Module, version: int) -> dict[str, float]:
-        """Score the probe with weights ``version``, just published (every rank), and
-        compare the reports that came in since the last call; rank 0's scalars."""
-        self.scores[version] = policy_logprobs(model, self.tokens, self.info.device)
-        while len(self.scores) > KEEP_VERSIONS:
-            self.scores.popitem(last=False)
-        if self.pull is None:
-            return {}
-        diffs = [d for d in map(self._compare, self._reports()) if d is not None]
-        scalars = {"weights/probe_alarms": float(self.alarms)}
-        if diffs:
-            scalars |= {
-                "weights/probe_max_abs_diff": max(diffs),
-                "weights/probe_reports": len(diffs),
-            }
-        return scalars
-
-    def _reports(self) -> list[ProbeReport]:
-        reports = []
-        while self.pull.poll(0):
-            report = self.decoder.try_decode(self.pull.recv(), "probe reports")
-            if report is not None and report.lineage == self.lineage:
-                reports.append(report)  # another lineage's versions are another trainer's
-        return reports
-
-    def _compare(self, report: ProbeReport) -> float | None:
-        mine = self.scores.get(report.version)
-        if mine is None:
-            return None
-        if len(report.logprobs) != len(mine):
-            log.error(
-                "generator %s scored %d probe tokens, the trainer %d: another tokenizer?",
-                report.worker_id,
-                len(report.logprobs) + 1,
-                len(mine) + 1,
-            )
-            return None
-        diff = float((torch.tensor(report.logprobs) - mine).abs().max())
-        if diff > self.wcfg.probe_alarm:
-            self.alarms += 1
-            message = (
-                f"generator {report.worker_id} decodes with weights v{report.version} whose "
-                f"probe logprobs differ from the trainer's by {diff:.4g} nats "
-                f"(transport.weights.probe_alarm={self.wcfg.probe_alarm}): the engine does not "
-                f"run the published weights"
-            )
-            log.error("%s", message)
-            if self.wcfg.probe_stop:
-                raise RuntimeError(message + " (transport.weights.probe_stop)")
-        return diff
-
-    def close(self) -> None:
-        if self.pull is not None:
-            self.pull.close(linger=0)
-            self.ctx.term()
 
 
 class FlipProbe:

@@ -1,21 +1,14 @@
-"""What the buffer process and the generator processes share: the rollout config (saved
-as JSON in the run directory, read by every process), the prompt stream, and how a lease
-becomes an engine request and its generated tokens a chunk (``lease_request``,
-``PendingLease``, ``record_tokens``; used by the generator and the colocated placement)."""
+"""Where a buffer's lease meets an engine: the experiment's sampling settings
+(``SamplingConfig``, ``experiment.sampling``; the buffer sends them with every lease as
+the wire's ``SamplingSpec``), the engine request a lease becomes (``lease_request``), and
+the tokens generated for it and not yet sent (``PendingLease``, ``record_tokens``). Used
+by the generator, the colocated placement and the episode driver."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from asyncrl.buffer.config import BufferConfig
-from asyncrl.buffer.rewards import RewardConfig
 from asyncrl.engine.base import Request, SamplingParams, StepOutput
-from asyncrl.engine.config import EngineConfig
-from asyncrl.metrics import MetricsConfig
-from asyncrl.models import ModelConfig, load_tokenizer
-from asyncrl.tasks import Task, TaskConfig, stream_index
-from asyncrl.tasks.prompts import PromptRenderer
-from asyncrl.transport import TransportConfig
 from asyncrl.wire import EpisodeFigures, Lease, SamplingSpec
 
 
@@ -62,44 +55,6 @@ class SamplingConfig:
             stop_token_ids=list(self.stop_token_ids),
             stop=list(self.stop),
         )
-
-
-@dataclass
-class RolloutConfig:
-    run_dir: str = "runs/rollout"
-    """Run directory: endpoints, logs, metrics."""
-    run_id: str = "rollout"
-    """Every message carries it; messages of another run are refused."""
-    seed: int = 0
-    """Seed of the prompt order and of every sample's draws (each sample's seed is derived
-    from it, its group and its index; ``asyncrl.seeds``)."""
-    model: ModelConfig = field(default_factory=ModelConfig)
-    """The policy's HF directory (generators load it; the buffer reads its tokenizer)."""
-    task: TaskConfig = field(default_factory=TaskConfig)
-    buffer: BufferConfig = field(default_factory=BufferConfig)
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    """Scoring in worker processes (``workers=0``: inline in the buffer)."""
-    transport: TransportConfig = field(default_factory=TransportConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    """The generators' engine: ``backend`` and each backend's settings."""
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)
-    """The generators' TensorBoard switch and logging interval (the experiment's own)."""
-
-
-class TaskPrompts:
-    """Prompt ``position`` of the stream (the task's ``rl_split`` examples, reshuffled every epoch),
-    rendered (``PromptRenderer``); a pure function of (seed, position), so a restarted buffer resumes it."""
-
-    def __init__(self, task: Task, tokenizer_path: str, seed: int) -> None:
-        self.split = task.config.rl_split
-        self.examples = task.examples(self.split)
-        self.renderer = PromptRenderer.for_task(task.config, load_tokenizer(tokenizer_path))
-        self.seed = seed
-
-    def __call__(self, position: int) -> tuple[int, list[int]]:
-        index = stream_index(self.seed, position, len(self.examples))
-        return index, self.renderer.prompt_ids(self.examples[index])
 
 
 def lease_request(lease: Lease) -> Request:

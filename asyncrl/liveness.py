@@ -1,0 +1,29 @@
+"""What a supervised process and its supervisor (``asyncrl.launcher.supervise``) agree on,
+kept below both: the file a process touches to show its loop turns, and the exit code that
+says a restart cannot help."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ALIVE_FILE_ENV = "ASYNCRL_ALIVE_FILE"
+"""Names the file a supervised process touches to show its loop turns."""
+EXIT_FATAL = 78
+"""The exit code of a process whose death a restart cannot repair (EX_CONFIG): the run
+stops with the tail of its log instead of starting it again."""
+
+
+class AliveMark:
+    """The process's side of stall detection: ``touch()`` once per loop turn marks the
+    file its supervisor named in ``ASYNCRL_ALIVE_FILE``, at most every ``every_s``
+    (nothing without one: a process started by hand is not watched)."""
+
+    def __init__(self, every_s: float = 1.0) -> None:
+        path = os.environ.get(ALIVE_FILE_ENV)
+        self.path, self.every_s, self.last = Path(path) if path else None, every_s, 0.0
+
+    def touch(self, now: float) -> None:
+        if self.path is not None and now - self.last >= self.every_s:
+            self.path.touch()
+            self.last = now
