@@ -43,7 +43,7 @@ def server_command(kind: str, model_dir: str, port: int) -> list[str]:
         return [
             sys.executable,
             "-m",
-            "asyncrl.engine.serve",
+            "asyncrl.serving.serve",
             "--model",
             model_dir,
             *common,

@@ -170,7 +170,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
         ("foundations", "wire security seeds metrics report background balance config liveness"),
         ("transport", "transport process_groups"),
         ("models and data", "models logprobs chat_tokenizers shapes tasks"),
-        ("engines", "engine interfaces"),
+        ("engines", "engine interfaces serving"),
         ("weights", "weights"),
         ("buffer", "buffer"),
         ("rollout", "episodes envs generator sim"),

@@ -1,4 +1,4 @@
-"""The OpenAI endpoints of asyncrl's HTTP front (``asyncrl.engine.openai_api``), driven by
+"""The OpenAI endpoints of asyncrl's HTTP front (``asyncrl.serving.openai_api``), driven by
 the real ``openai`` client: greedy completions equal the embedded engine's own tokens and
 the sglang front's logprobs, chat prompts are the tokenizer's chat template, stop strings
 and stop tokens end the text, and bad requests are 400s in OpenAI's error shape.
@@ -23,10 +23,10 @@ from aiohttp import web
 
 from asyncrl.engine.base import Request, SamplingParams
 from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from asyncrl.engine.serve import build_app
-from asyncrl.engine.serve_engine import EngineServer
 from asyncrl.engine.stops import trim_at_stop
 from asyncrl.models import load_tokenizer
+from asyncrl.serving.serve import build_app
+from asyncrl.serving.serve_engine import EngineServer
 
 from .test_stops import first_stop
 

@@ -1,5 +1,5 @@
 """The remote engine against launched servers of asyncrl's sglang-compatible front
-(``asyncrl.engine.serve``), the disk weight publisher, and a short RL run through the
+(``asyncrl.serving.serve``), the disk weight publisher, and a short RL run through the
 real launcher with remote generators. The same engine against real sglang, and NCCL
 weight updates (``NcclWeightPublisher``), need sglang and a CUDA GPU (``sglang`` and
 ``gpu`` markers) and are skipped elsewhere."""

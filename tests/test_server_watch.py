@@ -23,7 +23,7 @@ from .test_remote_engine import ROOT, drain, post, remote_config
 def front(model_dir: str, log_dir) -> tuple[subprocess.Popen, str]:
     """asyncrl's front in its own process group; (process, URL)."""
     port, log_path = free_port(), log_dir / "front.log"
-    cmd = [sys.executable, "-m", "asyncrl.engine.serve", "--model", model_dir]
+    cmd = [sys.executable, "-m", "asyncrl.serving.serve", "--model", model_dir]
     cmd += ["--port", str(port), "--max-slots", "8", "--max-seq-len", "128", "--threads", "1"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

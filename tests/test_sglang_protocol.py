@@ -2,7 +2,7 @@
 drives, tested over HTTP only so the same tests run against any server that speaks it.
 
 Servers (one per module, started in a subprocess on a free port): ``embedded``, asyncrl's
-front for its embedded engine (``python -m asyncrl.engine.serve``), always; ``sglang``
+front for its embedded engine (``python -m asyncrl.serving.serve``), always; ``sglang``
 (``python -m sglang.launch_server``) where sglang imports and CUDA is available. Both
 serve the same tiny random Qwen2 (``tiny_model_dir``). A few checks are the embedded
 server's own guarantees and say so: per-token versions (``output_token_versions``, an
@@ -25,9 +25,9 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.engine.remote_requests import server_rid
 from asyncrl.engine.sglang_api import check_version
-from asyncrl.engine.sglang_routes import FRONT_SGLANG
 from asyncrl.engine.stops import trim_at_stop
 from asyncrl.models import load_tokenizer
+from asyncrl.serving.sglang_routes import FRONT_SGLANG
 
 from .sglang_client import (
     Api,

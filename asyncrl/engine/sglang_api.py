@@ -7,7 +7,7 @@ and the range. Checked against the released wheels 0.5.10, 0.5.20, 0.5.21 and 0.
 srt/entrypoints/http_server.py``), request structs (``srt/managers/io_struct.py``) and
 ``SamplingParams`` (``srt/sampling/sampling_params.py``) and checks every call this
 client and ``asyncrl.trainer.publish_sglang.NcclWeightPublisher`` make against them.
-asyncrl's own front (``asyncrl.engine.serve``) answers as one release (``--sglang-version``).
+asyncrl's own front (``asyncrl.serving.serve``) answers as one release (``--sglang-version``).
 
 - **Attach.** ``GET /server_info``: ``version``, and the server's arguments, among them
   ``enable_deterministic_inference``; ``GET /model_info``: ``weight_version`` (a string;

@@ -15,7 +15,7 @@ The semantics follow vLLM and sglang:
 
 Who uses it: the embedded engine (``StopChecker``, one per engine, checks each new token of
 the requests that have stop strings), asyncrl's sglang-compatible front
-(``asyncrl.engine.serve_protocol``, which trims ``text`` with ``trim_at_stop``), and the
+(``asyncrl.serving.serve_protocol``, which trims ``text`` with ``trim_at_stop``), and the
 buffer's scoring and evaluation (``text_until_stop``).
 """
 

@@ -10,7 +10,7 @@ routes used: ``vllm/entrypoints/openai/completion/protocol.py`` (the request),
 ``/update_weight_version``, ``/weight_info``, the weight-transfer calls), the dev routes
 ``/collective_rpc`` and ``/server_info``. The RL routes exist only when the server runs
 with ``VLLM_SERVER_DEV_MODE=1``; launched servers get it. asyncrl's front
-(``asyncrl.engine.serve``, routes in ``asyncrl.engine.vllm_api``) answers the same as a
+(``asyncrl.serving.serve``, routes in ``asyncrl.serving.vllm_api``) answers the same as a
 chosen release (``--vllm-version``), so this client is tested against both.
 
 - **Attach** (``VllmServer``): ``/version``, the served model (``/v1/models``), the device

@@ -28,7 +28,7 @@ the text (no token ids, logprobs or usage).
 
 The capture server (one per process, on 127.0.0.1 and a free port, started by the first
 episode) routes each call to its episode by a path segment in the client's ``base_url``;
-it speaks ``/v1/chat/completions`` in ``asyncrl.engine.openai_api``'s shape and with its
+it speaks ``/v1/chat/completions`` in ``asyncrl.serving.openai_api``'s shape and with its
 checks (no streaming, tools or ``n`` > 1), one call at a time per episode.
 
 Replayable: an agent whose behaviour depends only on the example and the replies (its
@@ -51,15 +51,15 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.engine.openai_protocol import (
+from asyncrl.episodes.env import Environment, Step
+from asyncrl.serving.openai_protocol import (
     Completion,
     chat_completion_body,
     chat_messages,
     error_body,
     models_body,
 )
-from asyncrl.engine.serve_protocol import BadRequest, decode_body
-from asyncrl.episodes.env import Environment, Step
+from asyncrl.serving.serve_protocol import BadRequest, decode_body
 from asyncrl.tasks.base import Example
 
 if TYPE_CHECKING:

@@ -1,9 +1,9 @@
 """vLLM's server routes for RL, beyond the OpenAI ones, on the embedded engine's HTTP
-front (``asyncrl.engine.serve``): with them the front answers what the remote engine's
+front (``asyncrl.serving.serve``): with them the front answers what the remote engine's
 vLLM client (``asyncrl.engine.vllm_client``) sends, so that client is tested on CPU
 beside the real server. ``VllmApi(server, version).add_routes(app)`` adds them, answering
 as vLLM release ``version`` (``--vllm-version``, default ``FRONT_VLLM``) where releases
-differ; ``asyncrl.engine.openai_api`` serves ``/v1/completions`` (vLLM's
+differ; ``asyncrl.serving.openai_api`` serves ``/v1/completions`` (vLLM's
 ``return_token_ids`` and, from 0.33, ``weight_versions``), and its disconnect handling
 is vLLM's abort: a request whose connection closes is aborted.
 
@@ -32,7 +32,7 @@ with ``VLLM_SERVER_DEV_MODE=1``, this front always):
 Errors have vLLM's shape, ``{"error": {"message", "type", "param", "code"}}`` with the
 HTTP status. vLLM's weight transfer (``/init_weight_transfer_engine``,
 ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``,
-``/get_world_size``) is served over gloo instead of NCCL (``asyncrl.engine.vllm_transfer``).
+``/get_world_size``) is served over gloo instead of NCCL (``asyncrl.serving.vllm_transfer``).
 Not implemented: ``/sleep``, ``/wake_up``, ``/weight_checker``, ``/pause/step`` (all 404).
 """
 
@@ -42,11 +42,11 @@ import asyncio
 
 from aiohttp import web
 
-from asyncrl.engine.openai_api import error_response, json_response
-from asyncrl.engine.serve_engine import EngineServer
-from asyncrl.engine.serve_protocol import BadRequest, read_json
 from asyncrl.engine.vllm_client import parse_version
-from asyncrl.engine.vllm_transfer import FrontTransfer
+from asyncrl.serving.openai_api import error_response, json_response
+from asyncrl.serving.serve_engine import EngineServer
+from asyncrl.serving.serve_protocol import BadRequest, read_json
+from asyncrl.serving.vllm_transfer import FrontTransfer
 
 FRONT_VLLM = "0.34.0"
 """The release the front answers as unless told: the newest the client supports."""

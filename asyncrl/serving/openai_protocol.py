@@ -1,5 +1,5 @@
 """OpenAI's completion API, vLLM's flavour, as data: the requests the front accepts and
-the responses it gives (``asyncrl.engine.openai_api`` serves them over HTTP).
+the responses it gives (``asyncrl.serving.openai_api`` serves them over HTTP).
 
 A request becomes the sglang ``/generate`` request it means, checked by
 ``serve_protocol.parse_generate`` (one set of rules for both fronts). The shaping
@@ -44,8 +44,8 @@ from http import HTTPStatus
 from itertools import accumulate
 from typing import Any
 
-from asyncrl.engine.serve_engine import EngineServer
-from asyncrl.engine.serve_protocol import BadRequest, GenerateInput, WrongType, parse_generate
+from asyncrl.serving.serve_engine import EngineServer
+from asyncrl.serving.serve_protocol import BadRequest, GenerateInput, WrongType, parse_generate
 
 
 class InvalidRequest(BadRequest):

@@ -1,4 +1,4 @@
-"""vLLM's weight-transfer routes on asyncrl's front (``asyncrl.engine.serve``), received
+"""vLLM's weight-transfer routes on asyncrl's front (``asyncrl.serving.serve``), received
 over a gloo group instead of NCCL, so the trainer's side of vLLM's weight transfer
 (``asyncrl.trainer.publish_vllm``, ``engine.remote.weight_update=gloo``) runs for real on
 CPU. Names and shapes are vLLM's (``vllm/entrypoints/rl/online/api_router.py``, the
@@ -33,10 +33,10 @@ import torch
 import torch.distributed as dist
 from aiohttp import web
 
-from asyncrl.engine.openai_api import error_response, json_response
-from asyncrl.engine.serve_engine import EngineServer
-from asyncrl.engine.serve_protocol import BadRequest, read_json
 from asyncrl.process_groups import side_group
+from asyncrl.serving.openai_api import error_response, json_response
+from asyncrl.serving.serve_engine import EngineServer
+from asyncrl.serving.serve_protocol import BadRequest, read_json
 
 log = logging.getLogger(__name__)
 

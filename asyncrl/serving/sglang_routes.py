@@ -1,4 +1,4 @@
-"""sglang's control routes on the embedded engine's HTTP front (``asyncrl.engine.serve``),
+"""sglang's control routes on the embedded engine's HTTP front (``asyncrl.serving.serve``),
 answering as one sglang release: ``SglangRoutes(server, version).add_routes(app)``, the
 release ``--sglang-version`` (default ``FRONT_SGLANG``, the newest the client supports).
 ``serve`` itself has ``/generate`` (``serve_protocol``); these are the rest of what the
@@ -29,10 +29,10 @@ import logging
 
 from aiohttp import web
 
-from asyncrl.engine.openai_api import json_response
-from asyncrl.engine.serve_engine import EngineServer
-from asyncrl.engine.serve_protocol import BadRequest, read_json
 from asyncrl.engine.sglang_api import parse_version
+from asyncrl.serving.openai_api import json_response
+from asyncrl.serving.serve_engine import EngineServer
+from asyncrl.serving.serve_protocol import BadRequest, read_json
 
 log = logging.getLogger("asyncrl.serve")
 

@@ -1,4 +1,4 @@
-"""sglang's native ``/generate`` protocol (0.5.x), as ``asyncrl.engine.serve`` speaks it:
+"""sglang's native ``/generate`` protocol (0.5.x), as ``asyncrl.serving.serve`` speaks it:
 turning a request body into an engine ``Request``, and a request's progress into
 sglang's response object.
 

@@ -1,4 +1,4 @@
-"""The engine behind ``asyncrl.engine.serve``'s HTTP front: one ``EngineServer`` owns an
+"""The engine behind ``asyncrl.serving.serve``'s HTTP front: one ``EngineServer`` owns an
 ``EmbeddedEngine``, the asyncio task that steps it, and the requests in flight.
 
 The task runs ``engine.step`` in a worker thread (torch releases the GIL, so the event
@@ -23,14 +23,14 @@ import torch
 
 from asyncrl.engine.base import Request, StepOutput
 from asyncrl.engine.embedded import EmbeddedEngine
-from asyncrl.engine.serve_protocol import (
+from asyncrl.engine.servers import read_weights_dir
+from asyncrl.models import load_tokenizer, model_config
+from asyncrl.serving.serve_protocol import (
     BadRequest,
     GenerateInput,
     Generation,
     finish_reason_json,
 )
-from asyncrl.engine.servers import read_weights_dir
-from asyncrl.models import load_tokenizer, model_config
 
 log = logging.getLogger("asyncrl.serve")
 

@@ -1,10 +1,10 @@
 """OpenAI's completion API, vLLM's flavour, on the embedded engine's HTTP server
-(``asyncrl.engine.serve``): an agent or evaluation written against the ``openai`` client
+(``asyncrl.serving.serve``): an agent or evaluation written against the ``openai`` client
 runs on the embedded engine and gets back what RL needs (token ids, logprobs, versions).
 
 ``OpenAIApi(server, vllm_version).add_routes(app)`` adds ``POST /v1/completions``, ``POST
 /v1/chat/completions`` and ``GET /v1/models``: each request is parsed and its response
-shaped by ``asyncrl.engine.openai_protocol`` (which also says where this departs from
+shaped by ``asyncrl.serving.openai_protocol`` (which also says where this departs from
 vLLM), and joins the ``EngineServer`` batch; its id is its ``rid``. A request that
 reaches a vLLM front paused to abort or wait is refused with 503 (vLLM 0.33 on).
 """
@@ -16,7 +16,8 @@ from collections.abc import Callable
 import msgspec
 from aiohttp import web
 
-from asyncrl.engine.openai_protocol import (
+from asyncrl.engine.vllm_client import parse_version
+from asyncrl.serving.openai_protocol import (
     Completion,
     chat_completion_body,
     completion_body,
@@ -25,9 +26,8 @@ from asyncrl.engine.openai_protocol import (
     parse_chat,
     parse_completion,
 )
-from asyncrl.engine.serve_engine import EngineServer, Flight
-from asyncrl.engine.serve_protocol import BadRequest, WrongType, decode_body
-from asyncrl.engine.vllm_client import parse_version
+from asyncrl.serving.serve_engine import EngineServer, Flight
+from asyncrl.serving.serve_protocol import BadRequest, WrongType, decode_body
 
 
 # ---- HTTP --------------------------------------------------------------------------------

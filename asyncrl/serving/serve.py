@@ -5,7 +5,7 @@ of ``EmbeddedEngine``, answering as one sglang release (``--sglang-version``, de
 0.5.23, the newest the client supports), so the sglang client runs and is tested on
 machines without a GPU, and runs unchanged against a real sglang server. Start it with
 
-    python -m asyncrl.engine.serve --model DIR --port 30000
+    python -m asyncrl.serving.serve --model DIR --port 30000
 
 This module is the HTTP layer (aiohttp) and the entry point. ``serve_engine.EngineServer``
 owns the engine and the task that steps it, so requests from every connection batch
@@ -19,11 +19,11 @@ or ``abort_all``), ``POST /pause_generation``, ``POST /continue_generation``, ``
 /update_weights_from_disk``, ``GET /model_info``, ``GET /server_info`` (``version``),
 their deprecated ``/get_`` aliases, ``GET /health`` and ``/health_generate``, ``GET|POST
 /flush_cache``, ``POST /slow_down``; and OpenAI's (vLLM's flavour, see
-``asyncrl.engine.openai_api``): ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``GET /v1/models``; and vLLM's RL routes (``asyncrl.engine.vllm_api``): ``GET /version``,
+``asyncrl.serving.openai_api``): ``POST /v1/completions``, ``POST /v1/chat/completions``,
+``GET /v1/models``; and vLLM's RL routes (``asyncrl.serving.vllm_api``): ``GET /version``,
 ``POST /pause``, ``/resume``, ``/abort_requests``, ``/collective_rpc`` (reload_weights),
 ``/update_weight_version``, ``GET /weight_info``, ``/is_paused``, and vLLM's weight
-transfer over gloo (``asyncrl.engine.vllm_transfer``). ``GET /server_info`` answers
+transfer over gloo (``asyncrl.serving.vllm_transfer``). ``GET /server_info`` answers
 sglang's keys and vLLM's in one object.
 
 Where this server departs from sglang, and why:
@@ -68,11 +68,11 @@ import msgspec
 from aiohttp import web
 
 from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from asyncrl.engine.openai_api import OpenAIApi, json_response
-from asyncrl.engine.serve_engine import EngineServer, Flight
-from asyncrl.engine.serve_protocol import BadRequest, parse_generate, read_json
-from asyncrl.engine.sglang_routes import FRONT_SGLANG, SglangRoutes
-from asyncrl.engine.vllm_api import FRONT_VLLM, VllmApi
+from asyncrl.serving.openai_api import OpenAIApi, json_response
+from asyncrl.serving.serve_engine import EngineServer, Flight
+from asyncrl.serving.serve_protocol import BadRequest, parse_generate, read_json
+from asyncrl.serving.sglang_routes import FRONT_SGLANG, SglangRoutes
+from asyncrl.serving.vllm_api import FRONT_VLLM, VllmApi
 
 log = logging.getLogger("asyncrl.serve")
 
