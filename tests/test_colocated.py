@@ -147,6 +147,18 @@ def test_colocated_rejects_several_ranks(tiny_model_dir, tmp_path):
         cfg.finalize()
 
 
+def test_colocated_says_it_sets_the_staleness_bound_to_zero(tmp_path, caplog):
+    cfg = RLExperiment(run_dir=str(tmp_path), placement="colocated")
+    cfg.buffer.max_staleness = 2
+    with caplog.at_level("WARNING"):
+        cfg.finalize()
+    assert cfg.buffer.max_staleness == 0
+    assert "buffer.max_staleness=2 becomes 0" in caplog.text
+    caplog.clear()
+    cfg.finalize()  # already 0: nothing to say
+    assert "max_staleness" not in caplog.text
+
+
 def test_launcher_runs_tiny_grpo_colocated(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
     cmd = [

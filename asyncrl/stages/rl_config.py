@@ -7,6 +7,7 @@ which also re-exports both classes."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -30,6 +31,8 @@ from asyncrl.tasks.fit import fit_context
 from asyncrl.tasks.rewards import check_rewards
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.transport import TransportConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -136,7 +139,9 @@ class RLExperiment:
     """Module whose ``main`` runs one trainer rank of this stage."""
 
     def finalize(self) -> None:
-        """Derived values, computed here and nowhere else."""
+        """Derived values, computed here and nowhere else: a value left unset (0 or empty)
+        is filled in; one set that cannot work is refused (``ConfigError``); one that a
+        placement overrides is changed with a warning that names it."""
         if not self.run_dir:
             self.run_dir = f"runs/{self.name}-{datetime.now():%Y%m%d-%H%M%S}"
         if self.rl.update_epochs < 1:
@@ -187,7 +192,13 @@ class RLExperiment:
                     "placement=colocated generates single completions: a task.environment "
                     "needs placement=async"
                 )
-            self.buffer.max_staleness = 0  # step i trains only on tokens of version i
+            if self.buffer.max_staleness != 0:  # step i trains only on tokens of version i
+                log.warning(
+                    "placement=colocated generates each step's batch with that step's weights: "
+                    "buffer.max_staleness=%s becomes 0",
+                    self.buffer.max_staleness,
+                )
+                self.buffer.max_staleness = 0
         self.check_probe()
         if self.task.environment:
             self.check_episodes()
