@@ -116,6 +116,17 @@ class TransportConfig:
     """Weights to embedded engines: buckets, deltas between anchors, checksums."""
 
 
+@dataclass(frozen=True)
+class RunSite:
+    """Where a run's processes meet: its directory (endpoints, sockets, keys), its id
+    (carried by every message; another run's are refused) and the transport settings.
+    What a component that binds or connects sockets takes instead of the experiment."""
+
+    run_dir: str
+    run_id: str
+    transport: TransportConfig
+
+
 def bind(
     sock: zmq.Socket, cfg: TransportConfig, run_dir: str | Path, name: str, previous: str = ""
 ) -> str:

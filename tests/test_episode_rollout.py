@@ -106,7 +106,7 @@ def _run(tmp_path: Path, cfg: RolloutConfig, engine: RecordingEngine, successor=
     client = BufferClient(str(tmp_path), "ep", rank=0, transport=cfg.transport)
     leases: dict[str, tuple[int, int]] = {}
     workers = [_start_worker(cfg, "g0", engine, leases)]
-    weights = BucketPublisher(cfg)
+    weights = BucketPublisher(cfg.site())
     state = load_model(cfg.model).state_dict()
     samples = []
     try:

@@ -14,8 +14,8 @@ from asyncrl.buffer.core import RolloutBuffer
 from asyncrl.buffer.scoring import InlineScoring
 from asyncrl.config import ConfigError, apply_overrides, load_experiment
 from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from asyncrl.engine.fit import fit_context, prompt_sizes
 from asyncrl.generator.worker import GeneratorWorker
-from asyncrl.tasks.fit import fit_context, prompt_sizes
 from asyncrl.wire import Chunk, Lease, SamplingSpec, WireDecoder
 
 
@@ -32,7 +32,7 @@ def test_max_seq_len_defaults_to_the_longest_prompt_plus_the_budget(tiny_model_d
         "sampling.max_new_tokens=10",
         "task.train_size=300",
     )
-    sizes = fit_context(cfg)
+    sizes = fit_context(cfg.task, cfg.model.path, cfg.engine, cfg.sampling.max_new_tokens)
     # The split RL draws from (tiny_grpo: problems in neither train nor eval).
     assert cfg.task.rl_split == "unseen" and sizes.longest_uid.startswith("unseen:")
     longest = prompt_sizes(replace(cfg.task, rl_split="train"), tiny_model_dir, "train").longest
@@ -43,7 +43,7 @@ def test_max_seq_len_defaults_to_the_longest_prompt_plus_the_budget(tiny_model_d
 def test_a_prompt_that_cannot_fit_fails_before_anything_starts(tiny_model_dir):
     cfg = _rl_config(tiny_model_dir, "engine.embedded.max_seq_len=6", "task.train_size=50")
     with pytest.raises(ConfigError) as e:
-        fit_context(cfg)
+        fit_context(cfg.task, cfg.model.path, cfg.engine, cfg.sampling.max_new_tokens)
     message = str(e.value)
     longest = prompt_sizes(cfg.task, tiny_model_dir, cfg.task.rl_split).longest
     assert f"is {longest} tokens" in message and "unseen:" in message

@@ -324,7 +324,7 @@ def test_fuzzing_the_weights_publisher(tmp_path):
     transport = TransportConfig(max_message_bytes=1 << 16)
     transport.weights.anchor_every = 1  # a late subscriber then needs no anchor request
     cfg = SimpleNamespace(run_dir=str(tmp_path), run_id=RUN, transport=transport)
-    publisher = BucketPublisher(cfg)
+    publisher = BucketPublisher(cfg.site())
     state = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
     publisher.publish(0, FullParameters.of(state))  # binds the sockets
     ctx = zmq.Context()

@@ -12,6 +12,9 @@ is an edge to ``asyncrl.x.y`` when that is a module, else to ``asyncrl.x``. The 
   generator: it is what they talk to, not the other way round;
 - a stage imports nothing from a process's internals (``asyncrl.generator.worker``,
   ``asyncrl.buffer.server``);
+- below the stages, no function takes the whole experiment or an untyped ``cfg``: each
+  component takes its own config (``asyncrl.config``'s helpers, generic over every config
+  dataclass, excepted);
 - no module imports another's private names (``from asyncrl.x import _y``);
 - the formatter decides the layout: its skip comments stay rare in the repository.
 """
@@ -225,6 +228,28 @@ def test_every_module_is_in_a_layer():
     for module in module_files():
         if module != "asyncrl":
             layer_of(module)
+
+
+def test_below_the_stages_no_function_takes_the_whole_experiment():
+    """A parameter typed as a stage's experiment, or a config parameter (``cfg``,
+    ``config``, ``experiment``) left untyped or typed ``Any``."""
+    stages = next(i for i, (name, _) in enumerate(LAYERS) if name == "stages")
+    experiments = {"RLExperiment", "SFTExperiment", "DPOExperiment", "RewardModelExperiment"}
+    names = {"cfg", "config", "experiment"}
+    bad = []
+    for module, path in module_files().items():
+        if module in ("asyncrl", "asyncrl.config") or layer_of(module) >= stages:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for arg in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
+                kind = ast.unparse(arg.annotation).strip("'\"") if arg.annotation else None
+                untyped = arg.arg in names and kind in (None, "Any", "object")
+                if kind in experiments or untyped:
+                    where = f"{path.relative_to(ROOT)}:{node.lineno}"
+                    bad.append(f"{where}: {node.name}({arg.arg}: {kind})")
+    assert not bad, "takes the whole experiment or an untyped config:\n" + "\n".join(bad)
 
 
 def test_no_cycles_between_packages():

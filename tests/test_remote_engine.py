@@ -35,7 +35,7 @@ from asyncrl.seeds import derive_seed
 from asyncrl.stages.rl import RLExperiment
 from asyncrl.trainer.publish import DiskWeightPublisher
 from asyncrl.trainer.publish_sglang import NcclWeightPublisher
-from asyncrl.transport import TransportConfig, make_socket, read_endpoints
+from asyncrl.transport import RunSite, TransportConfig, make_socket, read_endpoints
 from asyncrl.wire import WeightsAnnounce, WeightsOnDisk, WireDecoder
 
 from .sglang_client import serving
@@ -407,7 +407,7 @@ def test_disk_publisher_writes_loadable_versions_and_prunes(tiny_model_dir, tmp_
         transport=TransportConfig(),
         model=ModelConfig(path=tiny_model_dir),
     )
-    publisher = DiskWeightPublisher(cfg)
+    publisher = DiskWeightPublisher(RunSite(cfg.run_dir, cfg.run_id, cfg.transport), tiny_model_dir)
     ctx = zmq.Context()
     sub = make_socket(ctx, zmq.SUB, cfg.transport)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -453,7 +453,7 @@ def test_remote_config_is_checked(tiny_model_dir):
     if not torch.cuda.is_available():  # a CPU trainer refuses NCCL updates at start
         cfg = finalize("engine.remote.weight_update=nccl")
         with pytest.raises(RuntimeError, match="weight_update=disk"):
-            NcclWeightPublisher(cfg)
+            NcclWeightPublisher(cfg.site(), cfg.engine.remote, cfg.num_generators)
 
 
 def test_engine_overrides_go_to_the_backend_sections(tmp_path):
@@ -533,7 +533,9 @@ def test_nccl_publisher_broadcasts_into_a_sglang_server(tiny_model_dir, tmp_path
         engine=engine_cfg,
     )
     engine = make_engine(cfg, tiny_model_dir, "g0")
-    publisher = NcclWeightPublisher(cfg)
+    publisher = NcclWeightPublisher(
+        RunSite(cfg.run_dir, "run", cfg.transport), engine_cfg.remote, 1
+    )
     try:
         weights = perturbed_weights(tiny_model_dir, tmp_path / "v1")
         state = load_model(ModelConfig(path=str(weights))).state_dict()

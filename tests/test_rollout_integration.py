@@ -67,7 +67,7 @@ def test_buffer_generators_and_consumer_survive_a_generator_kill(tmp_path, tiny_
             tmp_path / f"{g}.log",
         )
     client = BufferClient(str(tmp_path), "it", rank=0, transport=cfg.transport)
-    weights = BucketPublisher(cfg)
+    weights = BucketPublisher(cfg.site())
     state = load_model(ModelConfig(path=tiny_model_dir)).state_dict()
     consumed = []
     try:

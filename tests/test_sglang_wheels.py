@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from types import SimpleNamespace
 
 import aiohttp
 import pytest
@@ -30,7 +29,7 @@ from asyncrl.engine.sglang_api import SglangServer, check_version, generate_payl
 from asyncrl.interfaces import FullParameters
 from asyncrl.serving.sglang_routes import SglangRoutes
 from asyncrl.trainer.publish_sglang import NcclWeightPublisher
-from asyncrl.transport import TransportConfig, write_endpoints
+from asyncrl.transport import RunSite, TransportConfig, write_endpoints
 
 from .sglang_client import serving
 from .sglang_wheels import PINNED, Release, problems, release
@@ -231,14 +230,9 @@ def publisher(tmp_path, urls: list[str]) -> tuple[NcclWeightPublisher, Broadcast
     remote = RemoteEngineConfig(
         server="sglang", weight_update="nccl", urls=urls, nccl_bucket_mb=0, request_timeout_s=30
     )
-    cfg = SimpleNamespace(
-        run_dir=str(run_dir),
-        num_generators=1,
-        transport=TransportConfig(),
-        engine=SimpleNamespace(remote=remote),
-    )
+    site = RunSite(str(run_dir), "run", TransportConfig())
     broadcast = Broadcast()
-    return NcclWeightPublisher(cfg, broadcast), broadcast
+    return NcclWeightPublisher(site, remote, 1, broadcast), broadcast
 
 
 STATE = {

@@ -14,12 +14,12 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from types import SimpleNamespace
 
 import pytest
 import torch
 import zmq
 
+from asyncrl.buffer.config import RolloutConfig
 from asyncrl.config import ConfigError, load_experiment
 from asyncrl.engine.base import PushFailed, Request, SamplingParams
 from asyncrl.engine.config import EngineConfig, RemoteEngineConfig
@@ -31,7 +31,6 @@ from asyncrl.metrics import read_metrics
 from asyncrl.models import ModelConfig, load_model
 from asyncrl.trainer.publish import weight_publisher
 from asyncrl.trainer.publish_vllm import VllmTransferPublisher
-from asyncrl.transport import TransportConfig
 from asyncrl.wire import TransferAsk, TransferDone, WeightsByTransfer, WireDecoder, encode
 
 from .test_remote_engine import drain, perturbed_weights
@@ -40,14 +39,10 @@ from .test_vllm_client import VLLM, launched_front, run_tiny_grpo
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
 
 
-def transfer_config(run_dir, remote: RemoteEngineConfig) -> SimpleNamespace:
-    """What the publisher and ``TrainerPush`` read of an ``RLExperiment``."""
-    return SimpleNamespace(
-        run_dir=str(run_dir),
-        run_id="run",
-        num_generators=1,
-        transport=TransportConfig(),
-        engine=EngineConfig(backend="remote", remote=remote),
+def transfer_config(run_dir, remote: RemoteEngineConfig) -> RolloutConfig:
+    """A generator's config with ``remote`` servers (the publisher takes its site)."""
+    return RolloutConfig(
+        run_dir=str(run_dir), run_id="run", engine=EngineConfig(backend="remote", remote=remote)
     )
 
 
@@ -167,9 +162,9 @@ def ask_raw(publisher, url: str, version: int, lineage: str, deadline: float) ->
 
 
 @contextlib.contextmanager
-def sending(cfg: SimpleNamespace, model_dir: str):
+def sending(cfg: RolloutConfig, model_dir: str):
     """(the trainer's publisher, a remote engine on ``cfg``'s servers, its TrainerPush)."""
-    publisher = weight_publisher(cfg)
+    publisher = weight_publisher(cfg.site(), model_dir, cfg.engine, num_generators=1)
     assert isinstance(publisher, VllmTransferPublisher)
     engine = RemoteEngine(model_dir, cfg.engine.remote, log_dir=cfg.run_dir)
     ctx, stop = zmq.Context(), threading.Event()

@@ -53,10 +53,10 @@ def test_reports_match_the_trainer_and_other_weights_raise_the_alarm(
     cfg.transport.weights.probe_text = TEXT
     model = load_model(ModelConfig(path=tiny_model_dir))
     engine = EmbeddedEngine(tiny_model_dir, EmbeddedEngineConfig(max_slots=1, max_seq_len=64))
-    trainer = TrainerProbe(cfg, dist_info, lineage="L")
+    trainer = TrainerProbe(cfg.site(), cfg.model.path, dist_info, lineage="L")
     ctx = zmq.Context()
     lineage = ["L"]
-    flip = FlipProbe(cfg, "g0", engine, ctx, lambda: lineage[0])
+    flip = FlipProbe(cfg.site(), cfg.model.path, "g0", engine, ctx, lambda: lineage[0])
     state = {n: p.detach().clone() for n, p in model.named_parameters()}
     try:
         same = _report(flip, trainer, model, engine, dict(state), 1)

@@ -55,7 +55,7 @@ def _sync_run(tmp_path, model_dir, weights: WeightSyncConfig, versions: int, cor
     trainer = load_model(ModelConfig(path=model_dir))
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-3)
     engine = EmbeddedEngine(model_dir, EmbeddedEngineConfig(max_slots=1, max_seq_len=32))
-    publisher, ctx, stop = BucketPublisher(cfg), zmq.Context(), threading.Event()
+    publisher, ctx, stop = BucketPublisher(cfg.site()), zmq.Context(), threading.Event()
     intake = WeightsIntake(cfg, "g0", engine, GeneratorStats(), ctx, stop)
     try:
         publisher.publish(0, _params(trainer))  # the lineage's first: an anchor
@@ -259,7 +259,7 @@ def test_a_generator_that_joins_between_anchors_asks_for_one(tmp_path, tiny_mode
     cfg = RolloutConfig(run_dir=str(tmp_path), run_id="ws")
     trainer = load_model(ModelConfig(path=tiny_model_dir))
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-3)
-    publisher, ctx, stop = BucketPublisher(cfg), zmq.Context(), threading.Event()
+    publisher, ctx, stop = BucketPublisher(cfg.site()), zmq.Context(), threading.Event()
     engine = EmbeddedEngine(tiny_model_dir, EmbeddedEngineConfig(max_slots=1, max_seq_len=32))
     intake = None
     try:
@@ -300,7 +300,7 @@ def test_the_parameter_read_keeps_the_trainers_priority_and_the_sending_yields(t
         seen["read"] = _priority()
         yield from state.items()
 
-    publisher = BucketPublisher(cfg)
+    publisher = BucketPublisher(cfg.site())
     real_send = publisher._send_bucket
 
     def sending(*args):
@@ -327,14 +327,14 @@ def test_a_generator_follows_a_restarted_trainer(tmp_path, tiny_model_dir):
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-3)
     ctx, stop = zmq.Context(), threading.Event()
     engine = EmbeddedEngine(tiny_model_dir, EmbeddedEngineConfig(max_slots=1, max_seq_len=32))
-    first = BucketPublisher(cfg)
+    first = BucketPublisher(cfg.site())
     first.publish(5, _params(trainer))
     intake = WeightsIntake(cfg, "g0", engine, GeneratorStats(), ctx, stop)
     second = None
     try:
         _wait(lambda: intake.receiver.version == 5)
         first.close()  # the trainer dies; its successor resumes from version 2
-        second = BucketPublisher(cfg)
+        second = BucketPublisher(cfg.site())
         for version in (2, 3, 4):
             _train(trainer, optimizer, version)
             second.publish(version, _params(trainer))

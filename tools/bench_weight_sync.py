@@ -210,7 +210,7 @@ def trainer(args: argparse.Namespace, run_dir: Path, rank: int = 0) -> dict | No
     if rank == 0:
         endpoint = bind(baseline, cfg.transport, run_dir, "b")
         write_endpoints(run_dir, "baseline", {"weights": endpoint})
-    publisher = BucketPublisher(cfg) if rank == 0 else NoWeightPublisher()
+    publisher = BucketPublisher(cfg.site()) if rank == 0 else NoWeightPublisher()
     rng, times = (
         random.Random(0),
         {"new": [], "full": [], "step_after_new": [], "step_after_full": []},

@@ -14,7 +14,7 @@ from asyncrl.engine.leases import SamplingConfig
 from asyncrl.metrics import MetricsConfig
 from asyncrl.models import ModelConfig
 from asyncrl.tasks import TaskConfig
-from asyncrl.transport import TransportConfig
+from asyncrl.transport import RunSite, TransportConfig
 
 
 @dataclass
@@ -106,3 +106,7 @@ class RolloutConfig:
     """The generators' engine: ``backend`` and each backend's settings."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """The generators' TensorBoard switch and logging interval (the experiment's own)."""
+
+    def site(self) -> RunSite:
+        """Where this run's processes meet (``run_dir``, ``run_id``, ``transport``)."""
+        return RunSite(self.run_dir, self.run_id, self.transport)

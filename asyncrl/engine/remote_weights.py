@@ -129,14 +129,15 @@ class ServerUpdates:
         """Block until the engine runs ``version`` (or newer); RuntimeError when its update
         failed, TimeoutError after ``timeout_s``."""
         with self._changed:
-            settled = self._changed.wait_for(
-                lambda: self.version >= version or self._target is None, timeout_s
+            settled = self._changed.wait_for(  # a torn server may hold a newer label
+                lambda: (self.version >= version and not self._any_torn()) or self._target is None,
+                timeout_s,
             )
             if not settled:
                 raise TimeoutError(
                     f"the servers were loading weights v{version} after {timeout_s:.0f}s"
                 )
-            if self.version < version:
+            if self.version < version or self._any_torn():
                 raise RuntimeError(f"the servers did not load weights v{version} (see the log)")
 
     def refresh(self) -> None:

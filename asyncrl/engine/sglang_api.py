@@ -58,9 +58,13 @@ import json
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from asyncrl.engine.base import SamplingParams
 from asyncrl.seeds import derive_seed
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 SUPPORTED_SGLANG = ((0, 5, 0), (0, 5, 23))
 """Accepted ``/server_info`` ``version``: (major, minor, patch) from the first to the
@@ -209,9 +213,9 @@ def as_version(value, default: int) -> int:
         return default
 
 
-def eos_ids(model_path: str, config) -> set[int]:
+def eos_ids(model_path: str, config: PretrainedConfig) -> set[int]:
     """The token ids sglang stops at on its own: the generation config's EOS, else the
-    model config's."""
+    model config's (``config``, the model's ``transformers`` config)."""
     from transformers import GenerationConfig
 
     try:

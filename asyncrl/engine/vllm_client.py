@@ -225,8 +225,8 @@ class VllmServerApi:
             )
         self.servers[url] = server
         info = await get_json(session, url, "/weight_info")  # {} without dev mode
-        label = as_version(info.get("weight_version"), 0)
-        if label > 0:
+        state.version = as_version(info.get("weight_version"), state.version)
+        if state.version > 0:
             # The label names no run: the weights may be another run's (whose versions
             # this run's would never pass), or this run's before its trainer restarted.
             state.torn = True
@@ -234,7 +234,7 @@ class VllmServerApi:
                 "the vLLM server at %s is labelled v%d by an earlier client: it gets no "
                 "request until this run's weights are loaded into it",
                 url,
-                label,
+                state.version,
             )
         if (await get_json(session, url, "/is_paused")).get("is_paused"):
             state.torn = True

@@ -35,6 +35,7 @@ from asyncrl.buffer.config import RolloutConfig
 from asyncrl.config import ConfigError, load_json
 from asyncrl.engine.base import ServerFailed, StepOutput
 from asyncrl.engine.embedded import EmbeddedEngine
+from asyncrl.engine.fit import fit_context
 from asyncrl.engine.leases import PendingLease, lease_request, record_tokens
 from asyncrl.engine.remote import RemoteEngine
 from asyncrl.episodes.driver import EpisodeDriver
@@ -43,7 +44,6 @@ from asyncrl.generator.weights import WeightsIntake
 from asyncrl.interfaces import Engine
 from asyncrl.liveness import EXIT_FATAL, AliveMark
 from asyncrl.metrics import MetricsLogger
-from asyncrl.tasks.fit import fit_context
 from asyncrl.transport import client_socket, read_endpoints, write_endpoints
 from asyncrl.weights.probe import FlipProbe
 from asyncrl.wire import (
@@ -91,7 +91,14 @@ class GeneratorWorker:
         self.weights = WeightsIntake(cfg, worker_id, engine, self.stats, self.ctx, self.stop_event)
         self.probe: FlipProbe | None = None
         if cfg.transport.weights.probe_text:
-            self.probe = FlipProbe(cfg, worker_id, engine, self.ctx, lambda: self.weights.lineage)
+            self.probe = FlipProbe(
+                cfg.site(),
+                cfg.model.path,
+                worker_id,
+                engine,
+                self.ctx,
+                lambda: self.weights.lineage,
+            )
 
     def run(self) -> None:
         last_beat, last_log, turn_start = 0.0, time.time(), time.perf_counter()
@@ -336,7 +343,7 @@ def make_engine(cfg: RolloutConfig, model_path: str, worker_id: str) -> Engine:
         # chain submits every stage at once): size it here the same way. A prompt that
         # does not fit fails its group at run time (see _submit).
         try:
-            fit_context(cfg)
+            fit_context(cfg.task, cfg.model.path, cfg.engine, cfg.sampling.max_new_tokens)
         except ConfigError as e:
             log.warning("%s", e)
     if cfg.engine.backend != "remote":

@@ -157,7 +157,11 @@ def setup(cfg: RLExperiment, info: DistInfo, recorded: BatchSource | None = None
     elif cfg.placement == "colocated":  # one in-process object: buffer and generators
         publisher = source = ColocatedRollout(cfg, info)
     else:
-        publisher = weight_publisher(cfg) if info.is_main else NoWeightPublisher()
+        publisher = (
+            weight_publisher(cfg.site(), cfg.model.path, cfg.engine, cfg.num_generators)
+            if info.is_main
+            else NoWeightPublisher()
+        )
         source = BufferClient(cfg.run_dir, cfg.run_id, info.rank, cfg.transport)
     log = MetricsLogger(cfg.run_dir, "trainer", cfg.metrics, info.is_main, cfg.rl.max_steps)
     ledger = Ledger(cfg.run_dir, info.rank)
@@ -169,7 +173,7 @@ def setup(cfg: RLExperiment, info: DistInfo, recorded: BatchSource | None = None
     probe = None
     if cfg.transport.weights.probe_text and recorded is None:
         lineage = publisher.lineage if isinstance(publisher, BucketPublisher) else ""
-        probe = TrainerProbe(cfg, info, lineage)
+        probe = TrainerProbe(cfg.site(), cfg.model.path, info, lineage)
     return RLParts(
         core,
         advantages,

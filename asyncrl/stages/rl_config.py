@@ -18,6 +18,7 @@ from asyncrl.buffer.config import BufferConfig, RolloutConfig
 from asyncrl.buffer.rewards import RewardConfig
 from asyncrl.config import ConfigError, save_json
 from asyncrl.engine.config import EngineConfig
+from asyncrl.engine.fit import fit_context
 from asyncrl.engine.leases import SamplingConfig
 from asyncrl.episodes.env import check_environment
 from asyncrl.evaluation import EvalConfig
@@ -27,10 +28,9 @@ from asyncrl.stages.common import ProcessSpec, trainer_ranks
 from asyncrl.stages.critic import CriticConfig
 from asyncrl.stages.guard import GuardConfig
 from asyncrl.tasks import TaskConfig
-from asyncrl.tasks.fit import fit_context
 from asyncrl.tasks.rewards import check_rewards
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
-from asyncrl.transport import TransportConfig
+from asyncrl.transport import RunSite, TransportConfig
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +137,10 @@ class RLExperiment:
 
     entry: ClassVar[str] = "asyncrl.stages.rl"
     """Module whose ``main`` runs one trainer rank of this stage."""
+
+    def site(self) -> RunSite:
+        """Where this run's processes meet (``run_dir``, ``run_id``, ``transport``)."""
+        return RunSite(self.run_dir, self.run_id, self.transport)
 
     def finalize(self) -> None:
         """Derived values, computed here and nowhere else: a value left unset (0 or empty)
@@ -266,8 +270,8 @@ class RLExperiment:
 
     def preflight(self) -> None:
         """What needs the starting policy, checked before any process starts: the engine's
-        context sized to the task, every prompt fitting it (``asyncrl.tasks.fit``)."""
-        fit_context(self)
+        context sized to the task, every prompt fitting it (``asyncrl.engine.fit``)."""
+        fit_context(self.task, self.model.path, self.engine, self.sampling.max_new_tokens)
 
     def processes(self, config_path: str) -> list[ProcessSpec]:
         """The buffer, the generators and the trainer ranks, each restarted when it dies

@@ -11,7 +11,7 @@ import torch
 import zmq
 
 from asyncrl.trainer.dist import DistInfo
-from asyncrl.transport import bind, server_socket, write_endpoints
+from asyncrl.transport import RunSite, bind, server_socket, write_endpoints
 from asyncrl.weights.probe import policy_logprobs, probe_tokens
 from asyncrl.wire import ProbeReport, WireDecoder
 
@@ -26,19 +26,19 @@ class TrainerProbe:
     """The trainer's side: its logprobs of every version it publishes (each rank), and
     rank 0's comparison with what the generators report."""
 
-    def __init__(self, cfg, info: DistInfo, lineage: str) -> None:
-        self.wcfg, self.info, self.lineage = cfg.transport.weights, info, lineage
-        self.tokens = probe_tokens(cfg.model.path, self.wcfg.probe_text)
+    def __init__(self, site: RunSite, model_path: str, info: DistInfo, lineage: str) -> None:
+        self.wcfg, self.info, self.lineage = site.transport.weights, info, lineage
+        self.tokens = probe_tokens(model_path, self.wcfg.probe_text)
         self.scores: OrderedDict[int, torch.Tensor] = OrderedDict()
         self.alarms = 0
         self.pull: zmq.Socket | None = None
         if info.is_main:
-            t = cfg.transport
+            t, run_dir = site.transport, site.run_dir
             self.ctx = zmq.Context()
-            self.pull = server_socket(self.ctx, zmq.PULL, t, cfg.run_dir)
-            endpoint = bind(self.pull, t, cfg.run_dir, "trainer-probe")
-            write_endpoints(cfg.run_dir, "probe", {"reports": endpoint})
-            self.decoder = WireDecoder(cfg.run_id, expected=ProbeReport)
+            self.pull = server_socket(self.ctx, zmq.PULL, t, run_dir)
+            endpoint = bind(self.pull, t, run_dir, "trainer-probe")
+            write_endpoints(run_dir, "probe", {"reports": endpoint})
+            self.decoder = WireDecoder(site.run_id, expected=ProbeReport)
 
     def after_publish(self, model: torch.nn.Module, version: int) -> dict[str, float]:
         """Score the probe with weights ``version``, just published (every rank), and

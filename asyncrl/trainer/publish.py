@@ -35,12 +35,13 @@ import threading
 import time
 from pathlib import Path
 
+from asyncrl.engine.config import EngineConfig
 from asyncrl.engine.servers import write_weights_dir
 from asyncrl.interfaces import FullParameters, WeightPublisher
 from asyncrl.trainer.publish_sglang import NcclWeightPublisher
 from asyncrl.trainer.publish_vllm import VllmTransferPublisher
 from asyncrl.trainer.server_calls import pub_socket
-from asyncrl.transport import close_context
+from asyncrl.transport import RunSite, close_context
 from asyncrl.weights.sender import BucketPublisher, new_lineage
 from asyncrl.wire import WeightsOnDisk, encode
 
@@ -50,15 +51,19 @@ KEEP_VERSIONS = 2
 """Weight directories kept on disk; older ones are deleted after each publish."""
 
 
-def weight_publisher(cfg) -> WeightPublisher:
-    """Rank 0's publisher for the generators' engine (``cfg`` is an ``RLExperiment``)."""
-    if cfg.engine.backend == "embedded":
-        return BucketPublisher(cfg)
-    if cfg.engine.remote.server == "vllm" and cfg.engine.remote.weight_update != "disk":
-        return VllmTransferPublisher(cfg)
-    if cfg.engine.remote.weight_update == "nccl":
-        return NcclWeightPublisher(cfg)
-    return DiskWeightPublisher(cfg)
+def weight_publisher(
+    site: RunSite, model_path: str, engine: EngineConfig, num_generators: int
+) -> WeightPublisher:
+    """Rank 0's publisher for the generators' ``engine``: buckets to embedded engines;
+    to servers, vLLM's weight transfer, sglang's NCCL update, or directories on disk."""
+    remote = engine.remote
+    if engine.backend == "embedded":
+        return BucketPublisher(site)
+    if remote.server == "vllm" and remote.weight_update != "disk":
+        return VllmTransferPublisher(site, remote)
+    if remote.weight_update == "nccl":
+        return NcclWeightPublisher(site, remote, num_generators)
+    return DiskWeightPublisher(site, model_path)
 
 
 class NoWeightPublisher:
@@ -101,11 +106,11 @@ class DiskWeightPublisher:
     """Rank 0 writes each version as ``RUN_DIR/weights/vN/`` (atomically renamed into
     place, the newest ``KEEP_VERSIONS`` kept) and announces it to every generator."""
 
-    def __init__(self, cfg, keep: int = KEEP_VERSIONS) -> None:
-        self.ctx, self.sock = pub_socket(cfg)
-        self.run_id, self.model_path, self.keep = cfg.run_id, cfg.model.path, keep
+    def __init__(self, site: RunSite, model_path: str, keep: int = KEEP_VERSIONS) -> None:
+        self.ctx, self.sock = pub_socket(site)
+        self.run_id, self.model_path, self.keep = site.run_id, model_path, keep
         self.lineage = new_lineage()
-        self.root = (Path(cfg.run_dir) / "weights").resolve()
+        self.root = (Path(site.run_dir) / "weights").resolve()
         self.last: WeightsOnDisk | None = None
 
     def publish(self, version: int, params: FullParameters) -> float:

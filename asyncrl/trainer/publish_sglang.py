@@ -20,12 +20,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from asyncrl.engine.config import RemoteEngineConfig
 from asyncrl.engine.servers import free_port
 from asyncrl.engine.sglang_api import SglangServer, read_server
 from asyncrl.interfaces import FullParameters
 from asyncrl.process_groups import side_group
 from asyncrl.trainer.server_calls import get_control, post_control
-from asyncrl.transport import advertised_host, read_endpoints
+from asyncrl.transport import RunSite, advertised_host, read_endpoints
 
 
 class NcclBroadcast:
@@ -74,8 +75,14 @@ class NcclWeightPublisher:
     unless given).
     """
 
-    def __init__(self, cfg, broadcast: NcclBroadcast | None = None) -> None:
-        self.cfg, self.remote = cfg, cfg.engine.remote
+    def __init__(
+        self,
+        site: RunSite,
+        remote: RemoteEngineConfig,
+        num_generators: int,
+        broadcast: NcclBroadcast | None = None,
+    ) -> None:
+        self.site, self.remote, self.num_generators = site, remote, num_generators
         self.timeout_s = self.remote.request_timeout_s
         self.broadcast = broadcast or NcclBroadcast(self.timeout_s)
         self.bucket_bytes = self.remote.nccl_bucket_mb << 20
@@ -113,8 +120,10 @@ class NcclWeightPublisher:
     # ---- internals -----------------------------------------------------------------
     def _server_urls(self) -> list[str]:
         urls = []
-        for i in range(self.cfg.num_generators):
-            found = read_endpoints(self.cfg.run_dir, f"servers-g{i}", self.remote.startup_timeout_s)
+        for i in range(self.num_generators):
+            found = read_endpoints(
+                self.site.run_dir, f"servers-g{i}", self.remote.startup_timeout_s
+            )
             if found is None:
                 raise TimeoutError(f"generator g{i} never wrote its server URLs")
             urls += [found[k] for k in sorted(found, key=int)]
@@ -131,7 +140,7 @@ class NcclWeightPublisher:
             self._post_all("/destroy_weights_update_group", body, urls=self.urls, check=False)
         tp = self.remote.tp_size
         name, world = f"asyncrl_weights_{self.groups_made}", 1 + len(urls) * tp
-        address, port = advertised_host(self.cfg.transport.host), free_port()
+        address, port = advertised_host(self.site.transport.host), free_port()
         with ThreadPoolExecutor(len(urls)) as pool:
             # Each server's call returns only once the group is formed: rank 0 joins meanwhile.
             calls = [

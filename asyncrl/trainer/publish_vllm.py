@@ -50,11 +50,12 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import zmq
 
+from asyncrl.engine.config import RemoteEngineConfig
 from asyncrl.engine.servers import free_port
 from asyncrl.interfaces import FullParameters
 from asyncrl.trainer.server_calls import get_control, post_control, pub_socket
 from asyncrl.trainer.transfer_senders import SENDERS, TransferSender
-from asyncrl.transport import advertised_host, bind, close_context, server_socket
+from asyncrl.transport import RunSite, advertised_host, bind, close_context, server_socket
 from asyncrl.weights.sender import new_lineage
 from asyncrl.wire import TransferAsk, TransferDone, WeightsByTransfer, WireDecoder, encode
 
@@ -91,8 +92,7 @@ def update_info(state: dict[str, torch.Tensor]) -> dict:
 class VllmTransferPublisher:
     """Trainer rank 0's ``WeightPublisher`` for vLLM's weight transfer (module docstring)."""
 
-    def __init__(self, cfg) -> None:
-        remote = cfg.engine.remote
+    def __init__(self, site: RunSite, remote: RemoteEngineConfig) -> None:
         if remote.weight_update == "nccl" and not torch.cuda.is_available():
             raise RuntimeError(
                 "engine.remote.weight_update=nccl broadcasts from the trainer's GPU into the "
@@ -101,14 +101,14 @@ class VllmTransferPublisher:
             )
         self.sender_cls = SENDERS[remote.weight_update]
         self.device = torch.cuda.current_device() if remote.weight_update == "nccl" else None
-        self.run_id, self.timeout_s = cfg.run_id, remote.request_timeout_s
-        self.bf16 = cfg.transport.weights.dtype == "bfloat16"
-        self.host = advertised_host(cfg.transport.host)
+        self.run_id, self.timeout_s = site.run_id, remote.request_timeout_s
+        self.bf16 = site.transport.weights.dtype == "bfloat16"
+        self.host = advertised_host(site.transport.host)
         self.lineage = new_lineage()
-        self.ctx, self.pub = pub_socket(cfg)
-        self.rep = server_socket(self.ctx, zmq.REP, cfg.transport, cfg.run_dir)
-        self.endpoint = bind(self.rep, cfg.transport, cfg.run_dir, "trainer-transfer")
-        self.decoder = WireDecoder(cfg.run_id, expected=TransferAsk)
+        self.ctx, self.pub = pub_socket(site)
+        self.rep = server_socket(self.ctx, zmq.REP, site.transport, site.run_dir)
+        self.endpoint = bind(self.rep, site.transport, site.run_dir, "trainer-transfer")
+        self.decoder = WireDecoder(site.run_id, expected=TransferAsk)
         self.senders: dict[str, TransferSender] = {}
         self.transfers = 0
         self.touched = False  # the current transfer has reached the server's weights

@@ -10,15 +10,15 @@ import urllib.request
 
 import zmq
 
-from asyncrl.transport import bind, server_socket, write_endpoints
+from asyncrl.transport import RunSite, bind, server_socket, write_endpoints
 
 
-def pub_socket(cfg) -> tuple[zmq.Context, zmq.Socket]:
+def pub_socket(site: RunSite) -> tuple[zmq.Context, zmq.Socket]:
     """Rank 0's PUB socket, its endpoint written where generators find it."""
     ctx = zmq.Context()
-    sock = server_socket(ctx, zmq.PUB, cfg.transport, cfg.run_dir)
-    endpoint = bind(sock, cfg.transport, cfg.run_dir, "trainer-weights")
-    write_endpoints(cfg.run_dir, "trainer", {"weights": endpoint})
+    sock = server_socket(ctx, zmq.PUB, site.transport, site.run_dir)
+    endpoint = bind(sock, site.transport, site.run_dir, "trainer-weights")
+    write_endpoints(site.run_dir, "trainer", {"weights": endpoint})
     return ctx, sock
 
 

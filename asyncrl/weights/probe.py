@@ -26,7 +26,7 @@ import zmq
 from asyncrl.interfaces import ProbeScorer
 from asyncrl.logprobs import token_logprobs
 from asyncrl.models import load_tokenizer
-from asyncrl.transport import client_socket, read_endpoints
+from asyncrl.transport import RunSite, client_socket, read_endpoints
 from asyncrl.wire import ProbeReport, encode
 
 log = logging.getLogger(__name__)
@@ -56,16 +56,22 @@ class FlipProbe:
     pushed to trainer rank 0. Call ``after_step`` from the loop that steps the engine."""
 
     def __init__(
-        self, cfg, worker_id: str, engine: ProbeScorer, ctx: zmq.Context, lineage: Callable[[], str]
+        self,
+        site: RunSite,
+        model_path: str,
+        worker_id: str,
+        engine: ProbeScorer,
+        ctx: zmq.Context,
+        lineage: Callable[[], str],
     ) -> None:
         if not isinstance(engine, ProbeScorer):
             raise ValueError(
                 "transport.weights.probe_text: this engine cannot score a token sequence "
                 "(the probe needs engine.backend=embedded)"
             )
-        self.cfg, self.worker_id, self.engine, self.ctx = cfg, worker_id, engine, ctx
+        self.site, self.worker_id, self.engine, self.ctx = site, worker_id, engine, ctx
         self.lineage = lineage  # of the weights the engine was last offered
-        self.tokens = probe_tokens(cfg.model.path, cfg.transport.weights.probe_text)
+        self.tokens = probe_tokens(model_path, site.transport.weights.probe_text)
         self.scored = -1  # the version scored last
         self.push: zmq.Socket | None = None
         self.endpoint = ""
@@ -78,7 +84,7 @@ class FlipProbe:
         self.scored = version
         version, logprobs = self.engine.score(self.tokens)
         report = ProbeReport(
-            run_id=self.cfg.run_id,
+            run_id=self.site.run_id,
             worker_id=self.worker_id,
             version=version,
             lineage=self.lineage(),
@@ -93,13 +99,13 @@ class FlipProbe:
 
     def _socket(self) -> zmq.Socket | None:
         """A PUSH socket to the trainer's probe endpoint, connected anew when it moved."""
-        endpoints = read_endpoints(self.cfg.run_dir, "probe", timeout_s=0.0)
+        endpoints = read_endpoints(self.site.run_dir, "probe", timeout_s=0.0)
         if endpoints is None:
             return None
         if endpoints["reports"] != self.endpoint:
             self.close()
-            t = self.cfg.transport
-            self.push = client_socket(self.ctx, zmq.PUSH, t, self.cfg.run_dir)
+            t = self.site.transport
+            self.push = client_socket(self.ctx, zmq.PUSH, t, self.site.run_dir)
             self.push.connect(endpoints["reports"])
             self.endpoint = endpoints["reports"]
         return self.push

@@ -30,7 +30,7 @@ import zmq
 
 from asyncrl.background import yield_cpu
 from asyncrl.interfaces import FullParameters
-from asyncrl.transport import bind, close_context, server_socket, write_endpoints
+from asyncrl.transport import RunSite, bind, close_context, server_socket, write_endpoints
 from asyncrl.weights.codec import Layout, checksum, encode_delta
 from asyncrl.wire import AnchorRequest, WeightsBucket, WireDecoder, encode
 
@@ -43,8 +43,8 @@ def new_lineage() -> str:
 
 
 class BucketPublisher:
-    def __init__(self, cfg) -> None:
-        self.cfg, self.wcfg = cfg, cfg.transport.weights
+    def __init__(self, site: RunSite) -> None:
+        self.site, self.wcfg = site, site.transport.weights
         self.bucket_bytes = self.wcfg.bucket_mb << 20
         self.lineage = new_lineage()
         self.ctx = zmq.Context()
@@ -112,7 +112,7 @@ class BucketPublisher:
         # Zeros: the alignment padding is sent too, and must not carry stale memory.
         self.flats = [torch.zeros(self.layout.total, dtype=torch.uint8) for _ in range(2)]
         buckets = len(self.layout.ranges(self.bucket_bytes))
-        t, run_dir = self.cfg.transport, self.cfg.run_dir
+        t, run_dir = self.site.transport, self.site.run_dir
         self.pub = server_socket(self.ctx, zmq.PUB, t, run_dir)
         # Two versions' worth per subscriber: past that a stalled one loses buckets.
         self.pub.setsockopt(zmq.SNDHWM, 2 * buckets + 4)
@@ -153,7 +153,7 @@ class BucketPublisher:
                 self.cond.notify_all()
 
     def _run(self) -> None:
-        decoder = WireDecoder(self.cfg.run_id, expected=AnchorRequest)
+        decoder = WireDecoder(self.site.run_id, expected=AnchorRequest)
         while True:
             while self.pull.poll(0):
                 request = decoder.try_decode(self.pull.recv(), "anchor requests")
@@ -240,7 +240,7 @@ class BucketPublisher:
         began = time.perf_counter()
         new = self.flats[slot][start:end]
         header = WeightsBucket(
-            run_id=self.cfg.run_id,
+            run_id=self.site.run_id,
             version=version,
             lineage=self.lineage,
             kind="anchor" if anchor else "delta",
