@@ -23,6 +23,7 @@ from transformers import PreTrainedTokenizerFast
 from asyncrl.engine.base import Request, SamplingParams
 from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from asyncrl.engine.stops import text_until_stop
+from asyncrl.interfaces import SharedEngine
 from asyncrl.models import ModelConfig
 from asyncrl.tasks import Example, Task, TaskConfig
 from asyncrl.tasks.base import score_or_error
@@ -69,7 +70,7 @@ def make_eval_engine(
     budget: int | None = None,
     *,
     released: bool = False,
-) -> EmbeddedEngine:
+) -> SharedEngine:
     """An engine sized for evaluation: ``batch_size`` slots, each as long as the longest
     prompt plus the generation budget (``cfg.max_new_tokens``, or a whole episode's), so
     no completion is cut short by the cache. ``released``: with no weights or cache until
@@ -85,8 +86,8 @@ def make_eval_engine(
 
 @contextmanager
 def holding_weights(
-    engine: EmbeddedEngine, state_dict: Mapping[str, torch.Tensor], version: int
-) -> Iterator[EmbeddedEngine]:
+    engine: SharedEngine, state_dict: Mapping[str, torch.Tensor], version: int
+) -> Iterator[SharedEngine]:
     """``engine`` with the weights of ``state_dict`` (its tensors adopted, not copied) and
     its KV cache for the span of the block, both released after it."""
     engine.load_weights(state_dict, version)
@@ -98,14 +99,14 @@ def holding_weights(
 
 
 def greedy_completions(
-    engine: EmbeddedEngine, prompts: Sequence[list[int]], max_new_tokens: int
+    engine: SharedEngine, prompts: Sequence[list[int]], max_new_tokens: int
 ) -> list[list[int]]:
     """Greedy completion token ids of each prompt, without the final EOS."""
     return greedy_generate(engine, prompts, max_new_tokens)[0]
 
 
 def greedy_generate(
-    engine: EmbeddedEngine,
+    engine: SharedEngine,
     prompts: Sequence[list[int]],
     max_new_tokens: int,
     *,
@@ -130,7 +131,7 @@ def greedy_generate(
 
 
 def decode_all(
-    engine: EmbeddedEngine, requests: Sequence[Request]
+    engine: SharedEngine, requests: Sequence[Request]
 ) -> tuple[list[list[int]], list[str]]:
     """Submit ``requests`` and step ``engine`` until each has finished; each one's
     generated token ids (a final EOS included) and finish reason, in request order."""
@@ -148,7 +149,7 @@ def decode_all(
 
 
 def greedy_accuracy(
-    engine: EmbeddedEngine,
+    engine: SharedEngine,
     tokenizer: PreTrainedTokenizerFast,
     task: Task,
     examples: Sequence[Example],

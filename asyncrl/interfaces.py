@@ -12,11 +12,13 @@ transport, a placement, an engine) is one class that has these methods.
 - ``Engine``: what a generator (and the colocated placement) asks of an inference engine.
   Implemented by ``asyncrl.engine.embedded.EmbeddedEngine`` (asyncrl's torch engine, in
   the process) and ``asyncrl.engine.remote.RemoteEngine`` (sglang or vLLM servers over HTTP).
+- ``SharedEngine``: an ``Engine`` that gives its memory back to a trainer in its process
+  (the colocated placement, evaluation). Implemented by ``EmbeddedEngine``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -82,6 +84,10 @@ class FullParameters:
 class WeightPublisher(Protocol):
     """How trainer rank 0 sends each new version of the policy to the generators."""
 
+    lineage: str
+    """Whose versions these are: new at each trainer start, so a generator tells a
+    restarted trainer's versions from the last one's ("" where nothing is sent)."""
+
     def publish(self, version: int, params: FullParameters) -> float:
         """Send ``params`` as ``version`` (every rank calls it, and iterates ``params`` to
         the end); returns the seconds the caller was held."""
@@ -133,6 +139,29 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Stop background threads, and the servers the engine launched."""
+        ...
+
+
+class SharedEngine(Engine, Protocol):
+    """An engine sharing its process with a trainer (the colocated placement, evaluation
+    on trainer rank 0): it gives its memory back while the trainer works."""
+
+    @property
+    def idle(self) -> bool:
+        """No request queued or running: nothing holds the KV cache."""
+        ...
+
+    def release_memory(self) -> None:
+        """Free the KV cache and the weights; the engine must be idle, nothing staging."""
+        ...
+
+    def resume_memory(self) -> None:
+        """Allocate the KV cache again, once ``stage_weights(..., wait=True)`` (or
+        ``load_weights``) has put weights back."""
+        ...
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Stage ``state_dict`` and flip to it now (a caller that is not stepping)."""
         ...
 
 

@@ -114,7 +114,7 @@ class _BadLink:
 
 
 def _engine_params(engine: EmbeddedEngine) -> dict[str, torch.Tensor]:
-    return dict(engine._active.model.named_parameters())
+    return dict(engine.weights.active.model.named_parameters())
 
 
 def test_after_many_deltas_the_engine_holds_the_trainers_weights_bit_for_bit(

@@ -111,7 +111,7 @@ def generator(args: argparse.Namespace) -> None:
     engine = EmbeddedEngine(args.model, EmbeddedEngineConfig(max_slots=4, max_seq_len=160))
     ctx, stop, stats = zmq.Context(), threading.Event(), GeneratorStats()
     intake = WeightsIntake(cfg, "g0", engine, stats, ctx, stop)
-    vocab = min(14000, engine._active.model.config.vocab_size)
+    vocab = min(14000, engine.weights.active.model.config.vocab_size)
     drain = threading.Thread(target=drain_baseline, args=(run_dir, cfg, ctx, stop), daemon=True)
     drain.start()
     rng, steady, flips, n, deadline = random.Random(0), [], [], 0, None
@@ -143,7 +143,7 @@ def generator(args: argparse.Namespace) -> None:
         "anchors_asked": intake.anchors_asked,
         "version": engine.status().version,
         "bad_frames": dict(intake.decoder.errors),
-        "crcs": crcs(engine._active.model.named_parameters()),
+        "crcs": crcs(engine.weights.active.model.named_parameters()),
     }
     (run_dir / "generator.json").write_text(json.dumps(result))
     intake.join(timeout=5)

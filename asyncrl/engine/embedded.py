@@ -10,9 +10,10 @@ version; one ends at EOS, a stop token or string (``asyncrl.engine.stops``), or 
 It implements the ``Engine`` protocol (``asyncrl.interfaces``), configured by
 ``EmbeddedEngineConfig`` (``engine.embedded.*``). Weights are double-buffered
 (docs/design.md, Weights without stopping generation): ``stage_weights`` hands a state dict
-(or one read from a directory) to a background thread (a lower priority with
-``yield_staging``) that puts it into the idle copy of the model while decoding goes on; the
-next ``step`` swaps the two by reference, so a flip costs no copy on the decode path.
+(or one read from a directory) to the engine's ``WeightStager`` (``asyncrl.engine.stager``),
+whose thread (a lower priority with ``yield_staging``) puts it into the idle copy of the
+model while decoding goes on; the next ``step`` swaps the two by reference, so a flip costs
+no copy on the decode path.
 In-flight sequences then follow ``flip_policy``: ``keep`` (the default) continues on the old
 cache, ``recompute`` re-prefills their tokens under the new weights (AReaL's interruptible
 generation).
@@ -25,7 +26,6 @@ pattern); ``released=True`` starts an engine that way.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -33,12 +33,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from asyncrl.background import BACKGROUND_NICENESS, yield_cpu
+from asyncrl.background import BACKGROUND_NICENESS
 from asyncrl.engine.base import EngineStatus, Finished, GeneratedToken, Request, StepOutput, Weights
 from asyncrl.engine.config import EmbeddedEngineConfig
 from asyncrl.engine.decoder import CachedDecoder, KVCache
 from asyncrl.engine.sampling import sample
 from asyncrl.engine.servers import read_weights_dir
+from asyncrl.engine.stager import WeightStager
 from asyncrl.engine.stops import StopChecker
 from asyncrl.models import ModelConfig, empty_model, load_model, weightless_model
 
@@ -83,17 +84,21 @@ class EmbeddedEngine:
         self.device = torch.device("cuda" if use_cuda else "cpu")
         model_cfg = ModelConfig(path=model_path, dtype=cfg.dtype)
         # Two copies: the active one decodes, the idle one receives updates (empty: released).
-        for copy in ("_active", "_idle"):
-            model = (weightless_model if released else load_model)(model_cfg, self.device).eval()
-            setattr(self, copy, CachedDecoder(model))
+        load = weightless_model if released else load_model
+        copies = [CachedDecoder(load(model_cfg, self.device).eval()) for _ in range(2)]
+        # A lower priority only for callers that decode meanwhile: nobody waits for it.
+        niceness = BACKGROUND_NICENESS if yield_staging else 0
+        self.weights = WeightStager(*copies, self.device, niceness)
         self.shapes = {name: p.shape for name, p in empty_model(model_cfg).named_parameters()}
         """Each weight's shape, by name (a tied weight under its first name)."""
-        config = self._active.model.config
+        config = self.weights.active.model.config
         self.max_seq_len = cfg.max_seq_len or config.max_position_embeddings
         self.cache: KVCache | None = None
         if not released:
-            self.cache = KVCache.allocate(self._active.model, cfg.max_slots, self.max_seq_len)
-        eos = self._active.model.generation_config.eos_token_id
+            self.cache = KVCache.allocate(
+                self.weights.active.model, cfg.max_slots, self.max_seq_len
+            )
+        eos = self.weights.active.model.generation_config.eos_token_id
         if eos is None:
             eos = config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -105,16 +110,6 @@ class EmbeddedEngine:
         self.waiting: deque[Request] = deque()
         self._aborted: list[Finished] = []
         self.counters = _Counters()
-        # Offers wait in _incoming; the thread stages them and sets _ready; step() flips.
-        self._cond = threading.Condition()
-        # A lower priority only for callers that decode meanwhile: nobody waits for it.
-        self._niceness = BACKGROUND_NICENESS if yield_staging else 0
-        self._incoming: tuple[Mapping[str, torch.Tensor], int] | None = None
-        self._ready: int | None = None
-        self._staging = False  # the thread holds an offer it has not yet made ready
-        self._closed = False
-        self._stager = threading.Thread(target=self._stage_loop, name="weight-stager", daemon=True)
-        self._stager.start()
 
     # ---- the interface -------------------------------------------------------------
     def submit(self, request: Request) -> None:
@@ -152,7 +147,7 @@ class EmbeddedEngine:
         state_dict = weights if isinstance(weights, Mapping) else read_weights_dir(weights)
         expected = self.shapes
         # Tied weights (lm_head = embed_tokens) appear twice in a state dict; accept both.
-        unknown = sorted(set(state_dict) - set(self._idle.model.state_dict()))
+        unknown = sorted(set(state_dict) - set(self.weights.idle.model.state_dict()))
         missing = sorted(set(expected) - set(state_dict))
         wrong = sorted(
             n for n in expected if n in state_dict and state_dict[n].shape != expected[n]
@@ -162,9 +157,7 @@ class EmbeddedEngine:
                 f"weights v{version} do not fit the model: unknown {unknown[:3]}, "
                 f"missing {missing[:3]}, wrong shape {wrong[:3]}"
             )
-        with self._cond:
-            self._incoming = (state_dict, version)  # a newer offer replaces an unstarted one
-            self._cond.notify_all()
+        self.weights.offer(state_dict, version)
         if wait:
             self._flip_when_staged(version)
 
@@ -185,7 +178,7 @@ class EmbeddedEngine:
         admitted = self._admit()  # slots n … n+k-1
         # Both forward passes run before any sequence leaves (and moves slots).
         if decoding:
-            decode_logits = self._active.decode(
+            decode_logits = self.weights.active.decode(
                 self.cache,
                 0,
                 [s.tokens[-1] for s in decoding],
@@ -207,7 +200,7 @@ class EmbeddedEngine:
         running, waiting, free = len(self.running), len(self.waiting), self.free_slots
         # Weights staged and waiting for the next step's flip (-1: none), so callers can
         # time staging and know when an offered version will be used.
-        staged = -1 if self._ready is None else self._ready
+        staged = -1 if self.weights.ready is None else self.weights.ready
         metrics = {
             "engine/running": running,
             "engine/waiting": waiting,
@@ -223,41 +216,38 @@ class EmbeddedEngine:
     # ---- memory, for a process shared with a trainer -------------------------------------
     def score(self, tokens: list[int]) -> tuple[int, list[float]]:
         """``ProbeScorer.score``: on the decode thread, as ``step`` is."""
-        return self.version, self._active.score(tokens)
+        return self.version, self.weights.active.score(tokens)
 
     def release_memory(self) -> None:
         """Free the KV cache and both copies of the weights (each parameter keeps its
         dtype and device, with no elements). The engine must be idle, with no weights
         being staged; ``load_weights`` then ``resume_memory`` make it decode again."""
-        with self._cond:
-            staging = self._incoming is not None or self._staging or self._ready is not None
-        if staging or not self.idle:
+        if self.weights.busy or not self.idle:
             raise RuntimeError("release_memory needs an idle engine with no weights staging")
         self.cache = None
-        self._active.release()
-        self._idle.release()
+        self.weights.active.release()
+        self.weights.idle.release()
 
     def resume_memory(self) -> None:
         """Allocate the KV cache again after ``release_memory``, once ``load_weights`` has
         put weights into the active copy (the idle one stays empty until the next
         staging fills it)."""
-        params = dict(self._active.model.named_parameters())
+        params = dict(self.weights.active.model.named_parameters())
         if any(params[name].shape != shape for name, shape in self.shapes.items()):
             raise RuntimeError("resume_memory needs weights: call load_weights first")
         if self.cache is None:
-            self.cache = KVCache.allocate(self._active.model, self.cfg.max_slots, self.max_seq_len)
+            self.cache = KVCache.allocate(
+                self.weights.active.model, self.cfg.max_slots, self.max_seq_len
+            )
 
     @property
     def memory_bytes(self) -> int:
         """Bytes the engine holds in weights (both copies) and KV cache."""
         cache = self.cache.nbytes if self.cache is not None else 0
-        return self._active.nbytes + self._idle.nbytes + cache
+        return self.weights.active.nbytes + self.weights.idle.nbytes + cache
 
     def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._stager.join(timeout=5)
+        self.weights.close()
 
     # ---- internals -----------------------------------------------------------------
     def _admit(self) -> list[_Sequence]:
@@ -300,7 +290,7 @@ class EmbeddedEngine:
         for i, seq in enumerate(order):
             seq.slot = base + i
             self.slots[base + i] = seq
-        logits = self._active.prefill(self.cache, base, [s.tokens for s in leaders])
+        logits = self.weights.active.prefill(self.cache, base, [s.tokens for s in leaders])
         for seq, row in repeats:
             self.cache.move(base + row, seq.slot, len(seq.tokens))
         self.counters.prefill_tokens += sum(len(s.tokens) for s in leaders)
@@ -350,48 +340,20 @@ class EmbeddedEngine:
                 self.counters.finished += 1
                 self.counters.reasons[reason] = self.counters.reasons.get(reason, 0) + 1
 
-    def _stage_loop(self) -> None:
-        yield_cpu(self._niceness)
-        while True:
-            with self._cond:
-                # Wait for an offer, and for the previous staged version to be flipped in
-                # (the idle buffer is only free once it has become the active one's spare).
-                self._cond.wait_for(
-                    lambda: self._closed or (self._incoming is not None and self._ready is None)
-                )
-                if self._closed:
-                    return
-                state_dict, version = self._incoming
-                self._incoming, self._staging = None, True
-                target = self._idle
-            target.adopt(state_dict)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            with self._cond:
-                self._ready, self._staging = version, False
-                self._cond.notify_all()  # load_weights may be waiting for it
-
     def _flip_when_staged(self, version: int) -> None:
         while True:
-            with self._cond:
-                # An older staged version may come first; flipping it frees the idle copy.
-                self._cond.wait_for(lambda: self._closed or self._ready is not None)
-                if self._closed:
-                    raise RuntimeError("the engine was closed while loading weights")
-                done = self._ready == version and self._incoming is None
+            done = self.weights.wait_ready(version)
             self._maybe_flip()
             if done:
                 return
 
     def _maybe_flip(self) -> None:
-        if self._ready is None:
+        version = self.weights.flip()
+        if version is None:
             return
-        with self._cond:
-            self._active, self._idle = self._idle, self._active
-            self.version, self._ready = self._ready, None
-            self._cond.notify_all()
+        self.version = version
         self.counters.flips += 1
         if self.cfg.flip_policy == "recompute" and self.running:
             # Recompute K/V of every cached token (all but the last) under the new weights.
-            self._active.prefill(self.cache, 0, [s.tokens[:-1] for s in self.slots])
+            self.weights.active.prefill(self.cache, 0, [s.tokens[:-1] for s in self.slots])
             self.counters.recomputed_tokens += sum(len(s.tokens) - 1 for s in self.slots)

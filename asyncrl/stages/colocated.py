@@ -33,7 +33,7 @@ from asyncrl.buffer.scoring import Scoring, buffer_counters
 from asyncrl.engine.base import StepOutput
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.leases import PendingLease, lease_request, record_tokens
-from asyncrl.interfaces import FullParameters
+from asyncrl.interfaces import FullParameters, SharedEngine
 from asyncrl.metrics import MetricsLogger
 from asyncrl.stages.common import threads_for
 from asyncrl.tasks import build_task
@@ -95,11 +95,12 @@ class ColocatedRollout:
         if info.world_size != 1:
             raise ValueError("the colocated placement runs a single trainer rank")
         self.run_id, self.run_dir, self.rank = cfg.run_id, Path(cfg.run_dir), info.rank
+        self.lineage = ""  # its one engine is in this process: nothing is sent
         rollout = cfg.rollout()
         # Both phases share the process's threads; the engine must not pin its own count.
         torch.set_num_threads(colocated_threads(cfg))
         engine_cfg = replace(cfg.engine.embedded, threads=0, device=info.device.type)
-        self.engine = EmbeddedEngine(cfg.model.path, engine_cfg)
+        self.engine: SharedEngine = EmbeddedEngine(cfg.model.path, engine_cfg)
         prompts = TaskPrompts(build_task(cfg.task), cfg.model.path, cfg.seed)
         self.scoring = Scoring(rollout)
         self.buffer = RolloutBuffer(

@@ -58,7 +58,6 @@ from asyncrl.trainer.core import StepStats, TrainerCore, frozen_model
 from asyncrl.trainer.dist import DistInfo, all_reduce_max
 from asyncrl.trainer.probe import TrainerProbe
 from asyncrl.trainer.publish import NoWeightPublisher, weight_publisher
-from asyncrl.weights.sender import BucketPublisher
 from asyncrl.wire import Batch, Sample
 
 __all__ = ["RLConfig", "RLExperiment", "main", "run"]
@@ -172,8 +171,7 @@ def setup(cfg: RLExperiment, info: DistInfo, recorded: BatchSource | None = None
     rewards = RewardNormalizer(cfg.rl.reward_norm, cfg.rl.reward_norm_decay, info.device)
     probe = None
     if cfg.transport.weights.probe_text and recorded is None:
-        lineage = publisher.lineage if isinstance(publisher, BucketPublisher) else ""
-        probe = TrainerProbe(cfg.site(), cfg.model.path, info, lineage)
+        probe = TrainerProbe(cfg.site(), cfg.model.path, info, publisher.lineage)
     return RLParts(
         core,
         advantages,

@@ -72,6 +72,7 @@ class NoWeightPublisher:
     bucket sender does, and rank 0 sends them."""
 
     def __init__(self) -> None:
+        self.lineage = ""  # rank 0 sends
         self.thread: threading.Thread | None = None
         self.failed: tuple[int, BaseException] | None = None  # a gather that raised
 

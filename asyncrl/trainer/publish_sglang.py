@@ -83,6 +83,7 @@ class NcclWeightPublisher:
         broadcast: NcclBroadcast | None = None,
     ) -> None:
         self.site, self.remote, self.num_generators = site, remote, num_generators
+        self.lineage = ""  # versions go straight into the servers, not to generators
         self.timeout_s = self.remote.request_timeout_s
         self.broadcast = broadcast or NcclBroadcast(self.timeout_s)
         self.bucket_bytes = self.remote.nccl_bucket_mb << 20
