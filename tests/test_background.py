@@ -44,7 +44,7 @@ def test_a_generators_engine_stages_at_the_lower_priority(tiny_model_dir, yield_
     cfg = EmbeddedEngineConfig(max_slots=2, threads=1)
     engine = EmbeddedEngine(tiny_model_dir, cfg, yield_staging=yield_staging)
     try:
-        stager = engine._stager
+        stager = engine.weights.thread
         deadline = time.time() + (5 if yield_staging else 1)  # it lowers it as it starts
         while niceness(stager.native_id) == mine and time.time() < deadline:
             time.sleep(0.01)

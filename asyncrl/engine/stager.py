@@ -35,10 +35,11 @@ class WeightStager:
         """The version staged in ``idle``, waiting for ``flip``."""
         self._staging = False  # the thread holds an offer it has not yet made ready
         self._closed = False
-        self._thread = threading.Thread(
+        self.thread = threading.Thread(
             target=self._loop, args=(niceness,), name="weight-stager", daemon=True
         )
-        self._thread.start()
+        """The staging thread (at ``niceness``)."""
+        self.thread.start()
 
     @property
     def ready(self) -> int | None:
@@ -81,7 +82,7 @@ class WeightStager:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._thread.join(timeout=5)
+        self.thread.join(timeout=5)
 
     def _loop(self, niceness: int) -> None:
         yield_cpu(niceness)
