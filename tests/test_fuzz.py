@@ -15,7 +15,6 @@ import sys
 import threading
 import time
 from collections import Counter
-from types import SimpleNamespace
 
 import msgspec
 import torch
@@ -30,7 +29,14 @@ from asyncrl.engine.leases import SamplingConfig
 from asyncrl.interfaces import FullParameters
 from asyncrl.models import ModelConfig
 from asyncrl.tasks import TaskConfig
-from asyncrl.transport import TransportConfig, bind, make_socket, read_endpoints, write_endpoints
+from asyncrl.transport import (
+    RunSite,
+    TransportConfig,
+    bind,
+    make_socket,
+    read_endpoints,
+    write_endpoints,
+)
 from asyncrl.weights.receiver import WeightsReceiver
 from asyncrl.weights.sender import BucketPublisher
 from asyncrl.wire import (
@@ -323,8 +329,8 @@ def test_fuzzing_the_weights_publisher(tmp_path):
     receives the next version intact."""
     transport = TransportConfig(max_message_bytes=1 << 16)
     transport.weights.anchor_every = 1  # a late subscriber then needs no anchor request
-    cfg = SimpleNamespace(run_dir=str(tmp_path), run_id=RUN, transport=transport)
-    publisher = BucketPublisher(cfg.site())
+    site = RunSite(str(tmp_path), RUN, transport)
+    publisher = BucketPublisher(site)
     state = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
     publisher.publish(0, FullParameters.of(state))  # binds the sockets
     ctx = zmq.Context()

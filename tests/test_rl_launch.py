@@ -103,7 +103,9 @@ def check_generator_metrics(run_dir: Path) -> None:
     assert any("generator/update_step_ms_p99" in r for r in lines)  # flips happened mid-decode
     assert (run_dir / "tb" / "generator_g0").is_dir()
     summary = json.loads((run_dir / "generator_g0_summary.json").read_text())
-    assert summary["weights_received"] >= 2 and summary["version"] >= 2
+    # Published versions reached it; how many by the end is timing (the run stops when
+    # the trainer's fourth step ends, and η = 2 lets early versions feed every batch).
+    assert summary["weights_received"] >= 1 and summary["version"] >= 1
     # Every flip happens inside an engine step, so at least one update step per flipped
     # version; a version superseded before it was staged is received but never flipped.
     assert summary["update_steps"] >= summary["weights_flipped"] >= 1

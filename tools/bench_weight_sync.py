@@ -39,12 +39,12 @@ import threading
 import time
 import zlib
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import zmq
 
 from asyncrl.algorithms.losses import sft_loss
+from asyncrl.buffer.config import RolloutConfig
 from asyncrl.models import ModelConfig
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import TrainerCore
@@ -83,13 +83,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def config(run_dir: str, args: argparse.Namespace) -> SimpleNamespace:
+def config(run_dir: str, args: argparse.Namespace) -> RolloutConfig:
     weights = WeightSyncConfig(
         dtype=args.dtype, bucket_mb=args.bucket_mb, anchor_every=args.anchor_every
     )
-    return SimpleNamespace(
-        run_dir=run_dir, run_id=RUN_ID, transport=TransportConfig(weights=weights)
-    )
+    return RolloutConfig(run_dir=run_dir, run_id=RUN_ID, transport=TransportConfig(weights=weights))
 
 
 def crcs(named) -> dict[str, int]:
