@@ -75,6 +75,17 @@ def own_weights_dir(model_dir: str) -> str:
     return str(out)
 
 
+def generated_tokens(url: str) -> float:
+    """The server's count of tokens generated so far (``vllm:generation_tokens_total`` on
+    its Prometheus ``/metrics``, updated at every engine step)."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:generation_tokens_total")
+    )
+
+
 def restore_server(url: str, model_dir: str) -> None:
     """Give the session's server ``model_dir``'s weights and its unlabelled state back (a
     server labelled with a version is taken as another run's: ``torn`` at attach)."""
