@@ -143,8 +143,7 @@ def ppo_loss(
     entropy: torch.Tensor | None = None,
     sequence_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The decoupled PPO objective, AReaL's Eq. 5 (docs/design.md, The loss), summed over
-    tokens.
+    """The decoupled PPO objective (AReaL's Eq. 5; docs/design.md, The loss), token sums.
 
     Every tensor is ``[rows, T]``, aligned with the input ids: ``logprobs`` (current policy,
     with grad), ``proximal_logprobs`` (recomputed at the start of the step, no grad),

@@ -184,30 +184,35 @@ class RLExperiment:
                 f"(rl.algorithm={self.rl.algorithm}; PPO's GAE reads flat rows)"
             )
         if self.placement == "colocated":
-            if self.trainer.num_ranks != 1:
-                raise ConfigError("placement=colocated runs one process: set trainer.num_ranks=1")
-            if self.engine.backend != "embedded":
-                raise ConfigError(
-                    "placement=colocated runs the embedded engine in the trainer "
-                    "process: set engine.backend=embedded or placement=async"
-                )
-            if self.task.environment:  # checked here: placement is not the task's
-                raise ConfigError(
-                    "placement=colocated generates single completions: a task.environment "
-                    "needs placement=async"
-                )
-            if self.buffer.max_staleness != 0:  # step i trains only on tokens of version i
-                log.warning(
-                    "placement=colocated generates each step's batch with that step's weights: "
-                    "buffer.max_staleness=%s becomes 0",
-                    self.buffer.max_staleness,
-                )
-                self.buffer.max_staleness = 0
+            self.check_colocated()
         self.check_probe()
         if self.task.environment:
             self.check_episodes()
         if self.engine.backend == "remote":
             self.check_remote()
+
+    def check_colocated(self) -> None:
+        """What one process alternating generation and training cannot run; its staleness
+        bound is 0 (said when the setting was otherwise)."""
+        if self.trainer.num_ranks != 1:
+            raise ConfigError("placement=colocated runs one process: set trainer.num_ranks=1")
+        if self.engine.backend != "embedded":
+            raise ConfigError(
+                "placement=colocated runs the embedded engine in the trainer "
+                "process: set engine.backend=embedded or placement=async"
+            )
+        if self.task.environment:  # checked here: placement is not the task's
+            raise ConfigError(
+                "placement=colocated generates single completions: a task.environment "
+                "needs placement=async"
+            )
+        if self.buffer.max_staleness != 0:  # step i trains only on tokens of version i
+            log.warning(
+                "placement=colocated generates each step's batch with that step's weights: "
+                "buffer.max_staleness=%s becomes 0",
+                self.buffer.max_staleness,
+            )
+            self.buffer.max_staleness = 0
 
     def check_probe(self) -> None:
         """The check after a flip needs engines that can score it: embedded generators."""
