@@ -4,7 +4,7 @@ transport, a placement, an engine) is one class that has these methods.
 
 - ``BatchSource``: what a trainer rank asks of the buffer. Implemented by
   ``asyncrl.buffer.client.BufferClient`` (the buffer process, over ZeroMQ) and by
-  ``asyncrl.stages.colocated.ColocatedRollout`` (generation inside the trainer process).
+  ``asyncrl.loop.colocated.ColocatedRollout`` (generation inside the trainer process).
 - ``WeightPublisher``: how trainer rank 0 hands new weights to the generators.
   Implemented by ``BucketPublisher`` (``asyncrl.weights.sender``), ``DiskWeightPublisher``,
   ``NcclWeightPublisher`` and ``NoWeightPublisher`` (ranks other than 0) in

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from asyncrl.algorithms.losses import PPOLossConfig
 from asyncrl.config import load_experiment
-from asyncrl.stages.critic import CriticConfig
+from asyncrl.loop.critic import CriticConfig
 from asyncrl.trainer.config import OptimConfig
 
 grpo = load_experiment(Path(__file__).with_name("tiny_grpo.py"))

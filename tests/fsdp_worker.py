@@ -15,8 +15,8 @@ import torch
 
 from asyncrl.algorithms.losses import sft_loss
 from asyncrl.balance import split_balanced
+from asyncrl.loop.batch import add_reference_logprobs
 from asyncrl.models import ModelConfig
-from asyncrl.stages.rl_batch import add_reference_logprobs
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import TrainerCore, frozen_model
 from asyncrl.trainer.dist import DistInfo, init_distributed, shutdown_distributed

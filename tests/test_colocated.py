@@ -27,11 +27,11 @@ from asyncrl.engine.config import EngineConfig
 from asyncrl.engine.embedded import EmbeddedEngineConfig
 from asyncrl.engine.leases import SamplingConfig
 from asyncrl.logprobs import token_logprobs
+from asyncrl.loop.batch import to_sequences
+from asyncrl.loop.colocated import ColocatedRollout
 from asyncrl.metrics import MetricsConfig, read_metrics
 from asyncrl.models import ModelConfig, load_tokenizer
-from asyncrl.stages.colocated import ColocatedRollout
 from asyncrl.stages.rl import RLExperiment
-from asyncrl.stages.rl_batch import to_sequences
 from asyncrl.tasks import TaskConfig
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import TrainerCore
@@ -83,7 +83,7 @@ def test_colocated_rollout_is_on_policy_with_the_trainers_logprobs(
     assert cfg.buffer.max_staleness == 0
     pad = load_tokenizer(tiny_model_dir).pad_token_id
     core = TrainerCore(cfg.model, cfg.trainer, cfg.optim, dist_info, pad)
-    rollout = ColocatedRollout(cfg, dist_info)
+    rollout = ColocatedRollout(cfg.rollout(), cfg.colocated_threads(), dist_info)
     try:
         rollout.announce_version(0)
         for step in range(3):
@@ -96,7 +96,7 @@ def test_colocated_rollout_is_on_policy_with_the_trainers_logprobs(
                 generated = [v for v, m in zip(s.versions, s.loss_mask) if m]
                 assert generated and set(generated) == {step}  # staleness 0
             micro = make_micro_batches(
-                to_sequences(batch.samples, cfg),
+                to_sequences(batch.samples, cfg.rl, cfg.completion_cap()),
                 cfg.trainer.micro_batch_tokens,
                 cfg.trainer.packing,
                 pad,

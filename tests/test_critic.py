@@ -18,9 +18,9 @@ import torch
 from asyncrl.algorithms.advantages import gae
 from asyncrl.algorithms.losses import token_entropy, token_values, value_loss
 from asyncrl.balance import split_balanced
+from asyncrl.loop.critic import Critic, CriticConfig, reward_on_last_token
 from asyncrl.metrics import read_metrics
 from asyncrl.models import ModelConfig, load_model
-from asyncrl.stages.critic import Critic, CriticConfig, reward_on_last_token
 from asyncrl.trainer.checkpoint import export_hf, load_checkpoint, save_checkpoint
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import TrainerCore

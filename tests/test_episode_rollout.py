@@ -14,7 +14,6 @@ import threading
 import time
 from collections import defaultdict
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -27,9 +26,9 @@ from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from asyncrl.engine.leases import SamplingConfig
 from asyncrl.generator.worker import GeneratorWorker
 from asyncrl.interfaces import FullParameters
+from asyncrl.loop.batch import to_sequences
 from asyncrl.metrics import MetricsConfig
 from asyncrl.models import ModelConfig, load_model, load_tokenizer
-from asyncrl.stages.rl_batch import to_sequences
 from asyncrl.stages.rl_config import RLConfig
 from asyncrl.tasks import TaskConfig
 from asyncrl.transport import TransportConfig
@@ -165,7 +164,6 @@ def test_trained_episodes_are_what_the_engine_sampled_and_the_environment_said(
     by_sample = {where: lease for lease, where in leases.items()}
     assert len(samples) == STEPS * PROMPTS * SAMPLES
     versions_seen = set()
-    rl_cfg = SimpleNamespace(rl=RLConfig(), sampling=cfg.sampling)
     for s in samples:
         lease = by_sample[(s.group_id, s.sample_index)]
         prompt = engine.contexts[lease][0]
@@ -194,7 +192,7 @@ def test_trained_episodes_are_what_the_engine_sampled_and_the_environment_said(
         versions_seen.add(len({v for v, m in zip(s.versions, s.loss_mask) if m}))
         # As the RL step receives it: the same tokens, loss mask and behavior logprobs,
         # and no advantage on an observation.
-        (seq,) = to_sequences([s], rl_cfg)
+        (seq,) = to_sequences([s], RLConfig(), cfg.sampling.max_new_tokens)
         assert (seq.input_ids, seq.loss_mask) == (s.token_ids, s.loss_mask)
         assert seq.fields["behavior"] == s.logprobs
         assert all(a == 0 for a, m in zip(seq.fields["advantages"], s.loss_mask) if not m)

@@ -1,4 +1,4 @@
-"""The collapse guard (``asyncrl.stages.guard``) and the running reward normalization:
+"""The collapse guard (``asyncrl.loop.guard``) and the running reward normalization:
 the monitor alone flags the metric that left its running level and nothing during
 warmup or on healthy steps; warn trains on, skip refuses the update before the
 optimizer step, rollback brings back the good checkpoint's weights with the step counter
@@ -15,18 +15,12 @@ import torch
 
 from asyncrl.algorithms.advantages import grpo_advantages
 from asyncrl.algorithms.losses import token_entropy
+from asyncrl.loop.batch import policy_loss
+from asyncrl.loop.guard import Guard, GuardError
+from asyncrl.loop.monitor import ENTROPY, GuardConfig, Monitor, entropy_for_the_guard
+from asyncrl.loop.reward_norm import RewardNormalizer
 from asyncrl.models import ModelConfig
-from asyncrl.stages.guard import (
-    ENTROPY,
-    Guard,
-    GuardConfig,
-    GuardError,
-    Monitor,
-    entropy_for_the_guard,
-)
-from asyncrl.stages.reward_norm import RewardNormalizer
 from asyncrl.stages.rl import RLConfig, RLExperiment
-from asyncrl.stages.rl_batch import policy_loss
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import TrainerCore
 from asyncrl.trainer.packing import TokenSequence, make_micro_batches
@@ -224,7 +218,7 @@ def test_the_policy_loss_computes_the_watched_entropy_without_changing_gradients
     for action in ("off", "warn"):
         core = make_core(tiny_model_dir, dist_info)
         cfg = RLExperiment(rl=RLConfig(guard=GuardConfig(action=action)))
-        loss, metrics[action], _ = policy_loss(cfg, 0.7)(core.forward(mb), mb, None)
+        loss, metrics[action], _ = policy_loss(cfg.rl, 0.7)(core.forward(mb), mb, None)
         loss.backward()
         grads[action] = full_grads(core.model)
     assert ENTROPY not in metrics["off"] and metrics["warn"][ENTROPY] > 0

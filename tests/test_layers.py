@@ -17,6 +17,9 @@ is an edge to ``asyncrl.x.y`` when that is a module, else to ``asyncrl.x``. The 
   dataclass, excepted);
 - no module imports another's private names (``from asyncrl.x import _y``);
 - the formatter decides the layout: its skip comments stay rare in the repository.
+
+Why one file: the rules read one import graph, built once from the source; the reader and
+the rules change together.
 """
 
 from __future__ import annotations
@@ -172,12 +175,13 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
     for name, members in (
         ("foundations", "wire security seeds metrics report background balance config liveness"),
         ("transport", "transport process_groups"),
-        ("models and data", "models logprobs chat_tokenizers shapes tasks"),
+        ("models and data", "models logprobs chat_tokenizers shapes random_models tasks"),
         ("engines", "engine interfaces serving"),
         ("weights", "weights"),
         ("buffer", "buffer"),
         ("rollout", "episodes envs generator sim"),
         ("trainer", "algorithms trainer"),
+        ("RL loop", "loop"),
         ("stages", "stages evaluation"),
         ("launcher", "launcher"),
     )

@@ -1,4 +1,4 @@
-"""The train–inference mismatch of a step (``rl_batch.mismatch_scalars``): figures worked
+"""The train–inference mismatch of a step (``asyncrl.loop.batch.mismatch_scalars``): figures worked
 out by hand over the loss tokens of the proximal version only, and the per-token
 ``versions`` field through ``to_sequences`` and packing (flat and with shared prompts)
 aligned with the behavior logprobs."""
@@ -12,9 +12,9 @@ import random
 import pytest
 import torch
 
+from asyncrl.loop.batch import mismatch_scalars, rl_micro_batches
+from asyncrl.loop.config import RLConfig
 from asyncrl.report import report
-from asyncrl.stages.rl import RLExperiment
-from asyncrl.stages.rl_batch import mismatch_scalars, rl_micro_batches
 from asyncrl.trainer.config import TrainerConfig
 from asyncrl.trainer.dist import all_reduce_max
 from asyncrl.trainer.packing import MicroBatch
@@ -103,7 +103,7 @@ def _samples(groups: int, size: int, seed: int = 0) -> list[Sample]:
 def test_versions_field_is_aligned_with_behavior_through_packing(share_prefix):
     samples = _samples(groups=4, size=3)
     trainer = TrainerConfig(micro_batch_tokens=48, row_tokens=24, share_prefix=share_prefix)
-    micro = rl_micro_batches(samples, RLExperiment(trainer=trainer), pad_id=0)
+    micro = rl_micro_batches(samples, RLConfig(), 64, trainer, pad_id=0)
     assert len(micro) > 1
     if share_prefix:  # the prompts really are computed once
         assert sum(mb.forward_tokens for mb in micro) < sum(mb.num_tokens for mb in micro)

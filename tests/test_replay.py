@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.stages.replay import ReplayError, wal_segments
+from asyncrl.loop.recorded import ReplayError, wal_segments
 
 from .conftest import ROOT, launch
 

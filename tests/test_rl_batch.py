@@ -14,9 +14,7 @@ import torch
 from asyncrl.algorithms.losses import PPOLossConfig
 from asyncrl.config import ConfigError
 from asyncrl.engine.leases import SamplingConfig
-from asyncrl.models import ModelConfig, load_model
-from asyncrl.stages.rl import RLConfig, RLExperiment
-from asyncrl.stages.rl_batch import (
+from asyncrl.loop.batch import (
     add_reference_logprobs,
     length_scalars,
     penalize_kl_in_rewards,
@@ -25,6 +23,8 @@ from asyncrl.stages.rl_batch import (
     proximal_logprobs,
     to_sequences,
 )
+from asyncrl.models import ModelConfig, load_model
+from asyncrl.stages.rl import RLConfig, RLExperiment
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import TrainerCore
 from asyncrl.trainer.packing import TokenSequence, make_micro_batches
@@ -94,7 +94,7 @@ def _loss_and_grads(
     if reference is not None:
         add_reference_logprobs(reference, micro, core.info.device, TEMPERATURE)
     assert "proximal" not in micro[0].fields  # passed to the loss, never stored
-    loss_fn = policy_loss(cfg, TEMPERATURE)
+    loss_fn = policy_loss(cfg.rl, TEMPERATURE)
     core.optimizer.zero_grad(set_to_none=True)
     total = torch.zeros(())
     for mb, prox in zip(micro, proximal, strict=True):
@@ -127,10 +127,10 @@ def test_proximal_from_the_steps_own_forward_equals_the_separate_pass(
     # (the behavior policy's logprobs here) gives another loss.
     first = micro[0]
     with torch.no_grad():
-        own = policy_loss(cfg, TEMPERATURE)(core.forward(first), first, None)[0]
+        own = policy_loss(cfg.rl, TEMPERATURE)(core.forward(first), first, None)[0]
         other = first.fields["behavior"]
         assert not torch.allclose(
-            policy_loss(cfg, TEMPERATURE)(core.forward(first), first, other)[0], own
+            policy_loss(cfg.rl, TEMPERATURE)(core.forward(first), first, other)[0], own
         )
 
 
@@ -192,7 +192,7 @@ def test_several_updates_on_a_batch_keep_the_proximal_policy_of_the_steps_start(
     seqs = _batch(kept.model.config.vocab_size)
     micro = [make_micro_batches(seqs, 128, "packed", 0, 128) for _ in range(3)]
     assert len(micro[0]) > 1
-    loss_fn = policy_loss(cfg, TEMPERATURE)
+    loss_fn = policy_loss(cfg.rl, TEMPERATURE)
     stats = policy_updates(kept, micro[0], loss_fn, epochs=2)
     assert len(stats.outputs) == len(micro[0])  # the proximal logprobs of every micro-batch
     assert all(p is not None for p in stats.outputs)
@@ -284,7 +284,7 @@ def _sample(group: int, index: int, length: int, reward: float, reason: str, voc
 def _summed_loss_grads(core: TrainerCore, seqs: list[TokenSequence], cfg):
     """The policy loss summed over ``seqs`` and its gradients, one backward per
     micro-batch (the core divides by the batch's loss tokens; this sum is before it)."""
-    loss_fn = policy_loss(cfg, TEMPERATURE)
+    loss_fn = policy_loss(cfg.rl, TEMPERATURE)
     core.optimizer.zero_grad(set_to_none=True)
     total = 0.0
     for mb in make_micro_batches(seqs, 256, "packed", 0, 256):
@@ -311,7 +311,7 @@ def test_overlong_filter_takes_truncated_samples_out_of_the_loss_only(dist_info,
         RLExperiment(rl=RLConfig(overlong_filter=f), sampling=SamplingConfig(max_new_tokens=8))
         for f in (True, False)
     )
-    seqs_on, seqs_off = to_sequences(samples, on), to_sequences(samples, off)
+    seqs_on, seqs_off = to_sequences(samples, on.rl, 8), to_sequences(samples, off.rl, 8)
     assert sum(seqs_off[1].loss_mask) == 8 and seqs_off[1].fields["advantages"][-1] < 0
     assert sum(seqs_on[1].loss_mask) == 0 and not any(seqs_on[1].fields["advantages"])
     for i in (0, 2, 3):  # same advantages: the filtered sample's 0 reward is in the baseline
@@ -342,7 +342,7 @@ def test_length_scalars_of_a_batch():
     cfg = RLExperiment(
         rl=RLConfig(overlong_filter=True), sampling=SamplingConfig(max_new_tokens=100)
     )
-    got = length_scalars(samples, cfg, torch.device("cpu"))
+    got = length_scalars(samples, cfg.rl, 100, torch.device("cpu"))
     p50, p90, p99 = np.percentile(lengths, [50, 90, 99])
     assert got["length/p50"] == pytest.approx(p50) and got["length/p90"] == pytest.approx(p90)
     assert got["length/p99"] == pytest.approx(p99) and got["length/max"] == 100
@@ -351,7 +351,7 @@ def test_length_scalars_of_a_batch():
     assert got["train/overlong_filtered_samples"] == 10
     assert got["train/overlong_filtered_tokens"] == 1000
     cfg.rl.overlong_filter = False
-    got = length_scalars(samples, cfg, torch.device("cpu"))
+    got = length_scalars(samples, cfg.rl, 100, torch.device("cpu"))
     assert got["length/truncated_frac"] == pytest.approx(0.1)
     assert not any(k.startswith("train/overlong") for k in got)
-    assert length_scalars([], cfg, torch.device("cpu")) == {}
+    assert length_scalars([], cfg.rl, 100, torch.device("cpu")) == {}

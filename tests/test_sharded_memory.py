@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from asyncrl.config import ConfigError
 from asyncrl.launcher.prepare import resolve
+from asyncrl.loop.batch import add_reference_logprobs
 from asyncrl.models import ModelConfig, load_model
-from asyncrl.stages.rl_batch import add_reference_logprobs
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import TrainerCore, frozen_model, sharded_model
 from asyncrl.trainer.packing import make_micro_batches

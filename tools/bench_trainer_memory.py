@@ -66,8 +66,8 @@ import torch
 from asyncrl.algorithms.losses import kl_estimate, sft_loss
 from asyncrl.balance import split_balanced
 from asyncrl.logprobs import token_logprobs
+from asyncrl.loop.batch import add_reference_logprobs
 from asyncrl.models import ModelConfig, load_model
-from asyncrl.stages.rl_batch import add_reference_logprobs
 from asyncrl.trainer import core as core_module
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import TrainerCore, frozen_model, shard_model

@@ -3,7 +3,7 @@ and its samples from their versions' weights.
 
     python tools/replay.py RUN_DIR [--out DIR] [--from-step N] [--regenerate K] [key=value ...]
 
-The batches are rebuilt from the buffer's write-ahead log (``asyncrl.stages.replay``);
+The batches are rebuilt from the buffer's write-ahead log (``asyncrl.loop.recorded``);
 the trainer ranks run as in the run (same config, ranks and threads), publishing to
 nobody, into ``--out`` (default ``RUN_DIR/replay``). Then:
 
@@ -34,14 +34,13 @@ sys.path.insert(0, str(ROOT))
 from asyncrl.config import ConfigError, apply_overrides, load_json, save_json  # noqa: E402
 from asyncrl.launcher.prepare import Prepared, clear_rendezvous  # noqa: E402
 from asyncrl.launcher.supervise import supervise  # noqa: E402
-from asyncrl.stages.common import trainer_ranks  # noqa: E402
-from asyncrl.stages.replay import (  # noqa: E402
-    RecordedRun,
+from asyncrl.loop.recorded import (  # noqa: E402
     ReplayError,
     checkpoint_weights,
-    regenerate,
     weight_difference,
 )
+from asyncrl.stages.common import trainer_ranks  # noqa: E402
+from asyncrl.stages.replay import recorded_run, regenerate  # noqa: E402
 from launch.local import local_processes  # noqa: E402
 
 
@@ -106,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out = args.out or args.run_dir / "replay"
     try:
-        recorded = RecordedRun(args.run_dir)
+        recorded = recorded_run(args.run_dir)
         cfg = replay_config(args, recorded.steps)
         print(f"[replay] {recorded.steps} steps rebuilt from {args.run_dir}/buffer_wal")
         code = run_trainer(args, cfg)

@@ -149,7 +149,7 @@ def generator_threads(cfg: SimConfig) -> int:
 
 
 def colocated_threads(cfg: SimConfig) -> int:
-    """As ``asyncrl.stages.colocated.colocated_threads``: the async placement's cores."""
+    """As ``asyncrl.stages.rl_config.RLExperiment.colocated_threads``: the async placement's cores."""
     trainer = cfg.trainer_threads * cfg.trainer_ranks
     return max(1, min(cfg.cores, trainer + generator_threads(cfg) * cfg.num_generators))
 

@@ -5,18 +5,18 @@ of step i's batch (whole groups, staleness checked), packs it into micro-batches
 the proximal logprobs (the weights at the start of the step; by default from the first
 update's own forward) and the frozen reference's, lets the ``Advantages`` strategy do its
 part (nothing for GRPO/RLOO, whose advantages come with the batch; values and GAE for
-PPO's critic, ``asyncrl.stages.advantages``), takes the decoupled-PPO update(s) on the
+PPO's critic, ``asyncrl.loop.advantages``), takes the decoupled-PPO update(s) on the
 FSDP2 core, and rank 0's ``WeightPublisher`` sends the new weights as version i+1 (ZeroMQ
 frames, a versioned HF directory or NCCL; ``asyncrl.trainer.publish``) before the buffer
 hears of the version. The loop alone advances the version, once per batch. The
-``Guard`` (``asyncrl.stages.guard``) judges each update's statistics against their
+``Guard`` (``asyncrl.loop.guard``) judges each update's statistics against their
 history before the optimizer applies it, and warns, refuses it or rolls the weights back;
 a replay (``asyncrl.stages.replay``) runs this loop on a recorded run's batches.
 
 The buffer and generator processes are started by the launcher (``RLExperiment`` in
 ``asyncrl.stages.rl_config``, re-exported here); ``max_staleness=0`` is the synchronous
 baseline through this same code. ``placement="colocated"`` runs this same loop with
-generation inside the trainer process (``asyncrl.stages.colocated``).
+generation inside the trainer process (``asyncrl.loop.colocated``).
 """
 
 from __future__ import annotations
@@ -28,14 +28,8 @@ from pathlib import Path
 
 from asyncrl.buffer.client import BufferClient
 from asyncrl.interfaces import BatchSource, WeightPublisher
-from asyncrl.metrics import MetricsLogger
-from asyncrl.models import load_tokenizer
-from asyncrl.stages.advantages import Advantages, make_advantages
-from asyncrl.stages.colocated import ColocatedRollout
-from asyncrl.stages.common import out_of_time, stage_clock, stage_main
-from asyncrl.stages.guard import Guard
-from asyncrl.stages.reward_norm import RewardNormalizer
-from asyncrl.stages.rl_batch import (
+from asyncrl.loop.advantages import Advantages, make_advantages
+from asyncrl.loop.batch import (
     add_reference_logprobs,
     frozen_policy_stats,
     length_scalars,
@@ -45,6 +39,12 @@ from asyncrl.stages.rl_batch import (
     proximal_logprobs,
     rl_micro_batches,
 )
+from asyncrl.loop.colocated import ColocatedRollout
+from asyncrl.loop.guard import Guard
+from asyncrl.loop.reward_norm import RewardNormalizer
+from asyncrl.metrics import MetricsLogger
+from asyncrl.models import load_tokenizer
+from asyncrl.stages.common import out_of_time, stage_clock, stage_main
 from asyncrl.stages.rl_config import RLConfig, RLExperiment
 from asyncrl.stages.sft import Evaluator
 from asyncrl.tasks import build_task
@@ -73,13 +73,15 @@ def run(cfg: RLExperiment, info: DistInfo, source: BatchSource | None = None) ->
     # A frozen copy of the starting policy, sharded over the ranks, when the loss has a KL term.
     reference = frozen_model(cfg.model, info) if cfg.rl.loss.kl_coef else None
     temperature = max(cfg.sampling.temperature, 1e-6)
-    loss_fn, stop = policy_loss(cfg, temperature), False
+    cap = cfg.completion_cap()  # the most tokens a completion can have
+    loss_fn, stop = policy_loss(cfg.rl, temperature), False
     while core.step < cfg.rl.max_steps and not stop:
         # 1. my share of this step's batch (whole groups, at most max_staleness old)
         batch, waited = take_batch(r, cfg, info)
         if batch is None:  # the time limit passed while waiting for it
             break
-        micro = rl_micro_batches(r.rewards.normalize(batch.samples), cfg, core.pad_id)
+        samples = r.rewards.normalize(batch.samples)
+        micro = rl_micro_batches(samples, cfg.rl, cap, cfg.trainer, core.pad_id)
         # 2. logprobs with the step's starting weights, no grad: the proximal policy's
         #    (None: the first update's own forward gives them) and the reference's
         proximal = proximal_logprobs(core, micro, temperature) if cfg.rl.proximal_pass else None
@@ -107,7 +109,7 @@ def run(cfg: RLExperiment, info: DistInfo, source: BatchSource | None = None) ->
         core.step += 1
         # 7. log, evaluate, checkpoint
         scalars = step_scalars(stats, waited, sync_s, batch.samples) | estimates | guarded | probed
-        scalars |= length_scalars(batch.samples, cfg, info.device)  # every rank joins
+        scalars |= length_scalars(batch.samples, cfg.rl, cap, info.device)  # every rank joins
         stop = out_of_time(r.start, cfg.time_limit_s, info) or reached(cfg, accuracy, info)
         last = core.step >= cfg.rl.max_steps or stop
         accuracy = log_step(r, cfg, scalars, accuracy, last)
@@ -147,14 +149,14 @@ def setup(cfg: RLExperiment, info: DistInfo, recorded: BatchSource | None = None
     evaluator, the batch source and weight publisher, the logger and the ledger."""
     pad_id = load_tokenizer(cfg.model.path).pad_token_id
     core = TrainerCore(cfg.model, cfg.trainer, cfg.optim, info, pad_id)
-    advantages = make_advantages(cfg, info, pad_id)
+    advantages = make_advantages(cfg.rl, cfg.model, cfg.trainer, info, pad_id)
     evaluate = Evaluator(cfg, build_task(cfg.task), info)
     source: BatchSource
     publisher: WeightPublisher
     if recorded is not None:  # a replay: the batches are known, nobody gets weights
         source, publisher = recorded, NoWeightPublisher()
     elif cfg.placement == "colocated":  # one in-process object: buffer and generators
-        publisher = source = ColocatedRollout(cfg, info)
+        publisher = source = ColocatedRollout(cfg.rollout(), cfg.colocated_threads(), info)
     else:
         publisher = (
             weight_publisher(cfg.site(), cfg.model.path, cfg.engine, cfg.num_generators)

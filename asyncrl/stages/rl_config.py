@@ -1,19 +1,19 @@
-"""The RL stage's configuration: ``RLConfig`` (the algorithm, the loss, updates per batch,
-the critic) and ``RLExperiment``, everything one run needs (model, task, trainer, buffer,
-sampling, rewards, transport, engine), with the processes the launchers start for it and
-the rollout config the buffer and generators read. The loop is ``asyncrl.stages.rl``,
+"""The RL stage's configuration, ``RLExperiment``: everything one run needs (model, task,
+trainer, buffer, sampling, rewards, transport, engine, and the loop's own ``RLConfig`` from
+``asyncrl.loop.config``), with the processes the launchers start for it and the narrower
+configs its parts read (``rollout()``, ``site()``). The stage is ``asyncrl.stages.rl``,
 which also re-exports both classes."""
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from asyncrl.algorithms.losses import PPOLossConfig
 from asyncrl.buffer.config import BufferConfig, RolloutConfig
 from asyncrl.buffer.rewards import RewardConfig
 from asyncrl.config import ConfigError, save_json
@@ -22,65 +22,16 @@ from asyncrl.engine.fit import fit_context
 from asyncrl.engine.leases import SamplingConfig
 from asyncrl.episodes.env import check_environment
 from asyncrl.evaluation import EvalConfig
+from asyncrl.loop.config import RLConfig
 from asyncrl.metrics import MetricsConfig
 from asyncrl.models import ModelConfig
-from asyncrl.stages.common import ProcessSpec, trainer_ranks
-from asyncrl.stages.critic import CriticConfig
-from asyncrl.stages.guard import GuardConfig
+from asyncrl.stages.common import ProcessSpec, threads_for, trainer_ranks
 from asyncrl.tasks import TaskConfig
 from asyncrl.tasks.rewards import check_rewards
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.transport import RunSite, TransportConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RLConfig:
-    algorithm: Literal["grpo", "dr_grpo", "rloo", "ppo"] = "grpo"
-    """Advantage estimator: GRPO, Dr.GRPO (no std scaling), RLOO, or PPO with a critic
-    (GAE over token values, see ``critic``)."""
-    max_steps: int = 100
-    """Steps of the run: batches, each published as a version (with ``update_epochs`` > 1
-    a step takes several optimizer updates)."""
-    overlong_cache: int = 0
-    """DAPO overlong shaping over this many tokens before ``max_new_tokens`` (0: off)."""
-    overlong_filter: bool = False
-    """DAPO overlong filtering: a truncated sample (finish reason ``length``, it reached
-    ``max_new_tokens``) gets loss mask 0 on its completion, so it adds nothing to the loss
-    nor to the token count the loss is averaged over. Its reward still counts in its
-    group's baseline: only its own loss terms go (with PPO, its value loss too). Logged
-    as ``train/overlong_filtered_samples`` and ``_tokens``."""
-    export_dir: str = ""
-    """Write the final policy as an HF directory here; empty means ``RUN_DIR/hf``."""
-    loss: PPOLossConfig = field(default_factory=PPOLossConfig)
-    """The decoupled-PPO loss: clipping, importance-sampling correction, KL and entropy terms."""
-    proximal_pass: bool = False
-    """Compute the proximal logprobs in a separate no-grad forward before the step. Off,
-    they are the step's own forward's logprobs, detached: with one update per batch both
-    forwards see the same weights and give the same values (a test checks loss and
-    gradients), and the separate pass only costs a forward over the batch. With
-    ``update_epochs > 1`` the first update's are kept for the later ones."""
-    update_epochs: int = 1
-    """Optimizer updates per batch, each over the whole batch (PPO's epochs, GRPO's μ),
-    all against the proximal policy of the step's start; the version still advances once
-    per batch. The learning-rate schedule counts updates (``optim.total_steps`` defaults
-    to ``max_steps × update_epochs``)."""
-    critic: CriticConfig = field(default_factory=CriticConfig)
-    """The value model, GAE and the value loss; used when ``algorithm`` is ``ppo``."""
-    guard: GuardConfig = field(default_factory=GuardConfig)
-    """The collapse guard: entropy, reward, gradient norm, clip fraction and importance
-    weight against their running levels; warn, skip the update or roll back
-    (``asyncrl.stages.guard``)."""
-    reward_norm: Literal["none", "running"] = "none"
-    """``running``: rewards become (r − mean) / std with a moving mean and std of the
-    run's rewards (``asyncrl.stages.reward_norm``), before advantages, for reward scales
-    that drift (a reward model's). GRPO's per-group z-score makes it a no-op there; it
-    rescales RLOO's, Dr.GRPO's and PPO's advantages. Off by default: a verifier's 0/1
-    reward has a fixed scale."""
-    reward_norm_decay: float = 0.9
-    """Per-step decay of that moving mean and variance (each step's batch moments in
-    turn): about the last 10 batches, so a drifting scale is followed within as many."""
 
 
 @dataclass
@@ -327,4 +278,22 @@ class RLExperiment:
             transport=self.transport,
             engine=self.engine,
             metrics=self.metrics,
+        )
+
+    def colocated_threads(self) -> int:
+        """Threads of the colocated process: the cores the async placement spreads over its
+        trainer ranks and generators, so both placements are compared on the same cores (at
+        most the machine's). ``num_generators=0`` leaves the trainer's own threads: on a
+        shared or busy machine, more intra-op threads than free cores slow a small model's
+        kernels down several times over (measured: 2 threads on 2 busy cores, ~10x)."""
+        cores = os.cpu_count() or 1
+        trainer = threads_for(self.trainer.threads_per_rank, self.trainer.num_ranks)
+        generators = (self.engine.threads or cores) * self.num_generators
+        return max(1, min(cores, trainer * self.trainer.num_ranks + generators))
+
+    def completion_cap(self) -> int:
+        """The most tokens a sample can generate: a turn's budget, or an episode's (whose
+        count includes its observations, so its model tokens stay below it)."""
+        return (
+            self.task.max_episode_tokens if self.task.environment else self.sampling.max_new_tokens
         )

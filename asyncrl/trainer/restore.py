@@ -1,4 +1,4 @@
-"""Weights rolled back in place, for the RL guard (``asyncrl.stages.guard``): a good
+"""Weights rolled back in place, for the RL guard (``asyncrl.loop.guard``): a good
 checkpoint's or the run's start, with the step counters and schedule positions kept (the
 version never goes back) and the learning rate lowered."""
 

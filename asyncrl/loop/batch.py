@@ -29,8 +29,10 @@ from asyncrl.algorithms.advantages import (
 )
 from asyncrl.algorithms.losses import PPOLossConfig, kl_estimate, ppo_loss, token_entropy
 from asyncrl.logprobs import token_logprobs
-from asyncrl.stages.critic import reward_on_last_token
-from asyncrl.stages.guard import entropy_for_the_guard
+from asyncrl.loop.config import RLConfig
+from asyncrl.loop.critic import reward_on_last_token
+from asyncrl.loop.monitor import entropy_for_the_guard
+from asyncrl.trainer.config import TrainerConfig
 from asyncrl.trainer.core import StepStats, TrainerCore, micro_batch_logits
 from asyncrl.trainer.dist import all_reduce_max, all_reduce_sum
 from asyncrl.trainer.packing import (
@@ -42,9 +44,10 @@ from asyncrl.trainer.packing import (
 from asyncrl.wire import Sample
 
 
-def to_sequences(samples: list[Sample], cfg) -> list[TokenSequence]:
+def to_sequences(samples: list[Sample], rl: RLConfig, cap: int) -> list[TokenSequence]:
     """Trajectories to training sequences with per-token behavior logprobs and advantages
-    (for PPO, token rewards: the critic computes the advantages).
+    (for PPO, token rewards: the critic computes the advantages). ``cap``: the most tokens
+    a completion can have (``RLExperiment.completion_cap``), where overlong shaping ends.
 
     Samples arrive as whole groups (the buffer keeps a group on one rank), in group order.
     Under ``rl.overlong_filter`` a truncated sample trains with loss mask 0 (``trained_mask``).
@@ -54,21 +57,21 @@ def to_sequences(samples: list[Sample], cfg) -> list[TokenSequence]:
     out = []
     for members in by_group(samples):
         rewards = torch.tensor([[s.reward for s in members]], dtype=torch.float32)
-        if cfg.rl.overlong_cache:
+        if rl.overlong_cache:
             lengths = torch.tensor([completion_length(s) for s in members])
-            penalty = overlong_penalty(lengths, completion_cap(cfg), cfg.rl.overlong_cache)
+            penalty = overlong_penalty(lengths, cap, rl.overlong_cache)
             rewards = rewards + penalty  # [1, n] + [n]
-        if cfg.rl.algorithm == "ppo":  # the critic turns token rewards into advantages later
+        if rl.algorithm == "ppo":  # the critic turns token rewards into advantages later
             adv = rewards[0]
-        elif cfg.rl.algorithm == "rloo":
+        elif rl.algorithm == "rloo":
             adv = rloo_advantages(rewards)[0]
         else:
-            adv = grpo_advantages(rewards, scale_by_std=cfg.rl.algorithm == "grpo")[0]
+            adv = grpo_advantages(rewards, scale_by_std=rl.algorithm == "grpo")[0]
         for s, a in zip(members, adv.tolist()):
-            mask = trained_mask(s, cfg)
+            mask = trained_mask(s, rl)
             per_token = (
                 {"rewards": reward_on_last_token(s.loss_mask, a)}
-                if cfg.rl.algorithm == "ppo"
+                if rl.algorithm == "ppo"
                 else {"advantages": [a * m for m in mask]}
             )
             fields = {"behavior": s.logprobs, "versions": s.versions, **per_token}
@@ -76,22 +79,16 @@ def to_sequences(samples: list[Sample], cfg) -> list[TokenSequence]:
     return out
 
 
-def overlong_filtered(sample: Sample, cfg) -> bool:
+def overlong_filtered(sample: Sample, rl: RLConfig) -> bool:
     """Whether ``rl.overlong_filter`` takes ``sample`` out of the loss: it was truncated."""
-    return cfg.rl.overlong_filter and sample.finish_reason == "length"
+    return rl.overlong_filter and sample.finish_reason == "length"
 
 
-def trained_mask(sample: Sample, cfg) -> list[int]:
+def trained_mask(sample: Sample, rl: RLConfig) -> list[int]:
     """The loss mask the step trains ``sample`` with: its own, or all 0 when overlong
     filtering drops it. Only the mask: its reward has already counted in its group's
     baseline, as DAPO masks the loss of truncated samples and nothing else."""
-    return [0] * len(sample.loss_mask) if overlong_filtered(sample, cfg) else sample.loss_mask
-
-
-def completion_cap(cfg) -> int:
-    """The most tokens a sample can generate: a turn's budget, or an episode's (whose
-    count includes its observations, so its model tokens stay below it)."""
-    return cfg.task.max_episode_tokens if cfg.task.environment else cfg.sampling.max_new_tokens
+    return [0] * len(sample.loss_mask) if overlong_filtered(sample, rl) else sample.loss_mask
 
 
 def completion_length(sample: Sample) -> int:
@@ -99,27 +96,28 @@ def completion_length(sample: Sample) -> int:
     return sum(sample.loss_mask)
 
 
-def length_scalars(samples: list[Sample], cfg, device: torch.device) -> dict[str, float]:
-    """The whole step batch's completion lengths, every rank's share (``cfg`` is an
-    ``RLExperiment``; every rank calls it: one collective over a histogram of lengths
-    0 … ``max_new_tokens``): ``length/p50``, ``/p90``, ``/p99``, ``/max``, ``/mean``,
-    ``/truncated_frac`` (finish reason ``length``) and ``/samples``; with
-    ``rl.overlong_filter``, the samples and completion tokens it took out of the loss."""
-    cap = completion_cap(cfg)
+def length_scalars(
+    samples: list[Sample], rl: RLConfig, cap: int, device: torch.device
+) -> dict[str, float]:
+    """The whole step batch's completion lengths, every rank's share (every rank calls it:
+    one collective over a histogram of lengths 0 … ``cap``, the most a completion can
+    have): ``length/p50``, ``/p90``, ``/p99``, ``/max``, ``/mean``, ``/truncated_frac``
+    (finish reason ``length``) and ``/samples``; with ``rl.overlong_filter``, the samples
+    and completion tokens it took out of the loss."""
     counts = [0.0] * (cap + 1)
     truncated = filtered_tokens = 0.0
     for s in samples:
         n = completion_length(s)
         counts[min(n, cap)] += 1  # an engine stops at max_new_tokens: the clamp never bites
         truncated += s.finish_reason == "length"
-        filtered_tokens += n if overlong_filtered(s, cfg) else 0
+        filtered_tokens += n if overlong_filtered(s, rl) else 0
     *counts, truncated, filtered_tokens = all_reduce_sum(
         counts + [truncated, filtered_tokens], device
     )
     out = length_figures(counts)
     if out:
         out["length/truncated_frac"] = truncated / out["length/samples"]
-    if out and cfg.rl.overlong_filter:
+    if out and rl.overlong_filter:
         out["train/overlong_filtered_samples"] = truncated
         out["train/overlong_filtered_tokens"] = filtered_tokens
     return out
@@ -158,18 +156,20 @@ def group_sizes(samples: list[Sample]) -> list[int]:
     return [len(members) for members in by_group(samples)]
 
 
-def rl_micro_batches(samples: list[Sample], cfg, pad_id: int) -> list[MicroBatch]:
-    """This rank's samples as micro-batches under ``trainer.micro_batch_tokens``
-    (``cfg`` is an ``RLExperiment``); with ``trainer.share_prefix`` each group is a tree
-    over its prompt."""
+def rl_micro_batches(
+    samples: list[Sample], rl: RLConfig, cap: int, trainer: TrainerConfig, pad_id: int
+) -> list[MicroBatch]:
+    """This rank's samples (``to_sequences``) as micro-batches under
+    ``trainer.micro_batch_tokens``; with ``trainer.share_prefix`` each group is a tree over
+    its prompt."""
     return make_micro_batches(
-        to_sequences(samples, cfg),
-        cfg.trainer.micro_batch_tokens,
-        cfg.trainer.packing,
+        to_sequences(samples, rl, cap),
+        trainer.micro_batch_tokens,
+        trainer.packing,
         pad_id,
-        cfg.trainer.row_tokens,
+        trainer.row_tokens,
         group_sizes(samples),
-        cfg.trainer.share_prefix,
+        trainer.share_prefix,
     )
 
 
@@ -233,8 +233,8 @@ metric_sums, proximal [rows, T] | None)``: the trainer core's ``LossFn`` for the
 with the proximal logprobs as its input and its output."""
 
 
-def policy_loss(cfg, temperature: float) -> PolicyLoss:
-    """Decoupled PPO on a micro-batch (``cfg`` is an ``RLExperiment``).
+def policy_loss(rl: RLConfig, temperature: float) -> PolicyLoss:
+    """Decoupled PPO on a micro-batch, with ``rl.loss``.
 
     ``proximal`` None: the proximal logprobs are this forward's own, detached. With the
     step's first update, the weights of this forward are the weights at the start of the
@@ -248,8 +248,8 @@ def policy_loss(cfg, temperature: float) -> PolicyLoss:
             return logits.sum() * 0.0, {}, None
         logp = token_logprobs(logits, mb.input_ids, temperature)
         proximal = logp.detach() if proximal is None else proximal.to(logp.device)
-        entropy = token_entropy(logits, temperature) if cfg.rl.loss.entropy_coef else None
-        if entropy is None and cfg.rl.guard.watches_entropy:  # the metric alone: no grad
+        entropy = token_entropy(logits, temperature) if rl.loss.entropy_coef else None
+        if entropy is None and rl.guard.watches_entropy:  # the metric alone: no grad
             entropy = entropy_for_the_guard(logits, mb.loss_mask, temperature)
         loss_sum, metrics = ppo_loss(
             logp,
@@ -257,7 +257,7 @@ def policy_loss(cfg, temperature: float) -> PolicyLoss:
             f["behavior"],
             f["advantages"],
             mb.loss_mask,
-            cfg.rl.loss,
+            rl.loss,
             ref_logprobs=f.get("reference"),
             entropy=entropy,
             sequence_ids=mb.sequence_ids,

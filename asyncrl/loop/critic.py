@@ -5,7 +5,7 @@ The critic is the policy's architecture with a scalar head (``ModelConfig.head="
 started from the policy's backbone with a zero head unless ``path`` names a trained value
 model), sharded by a second ``TrainerCore`` on the same trainer ranks with its own
 optimizer. Each RL step calls, in order (through ``CriticAdvantages`` in
-``asyncrl.stages.advantages``): ``values`` (V_t of the batch before any update, no
+``asyncrl.loop.advantages``): ``values`` (V_t of the batch before any update, no
 grad), ``advantages`` (GAE on the reward of each trajectory's last completion token,
 optionally whitened with global statistics), the policy step, then ``train`` (the
 clipped value loss). Its checkpoint is a companion of the policy's

@@ -2,9 +2,9 @@
 calls at named points of every step, so the loop has no branch per algorithm.
 
 - ``GroupRelative`` (GRPO, Dr.GRPO, RLOO): each group's rewards become per-token
-  advantages when the batch turns into sequences (``rl_batch.to_sequences``); every hook
+  advantages when the batch turns into sequences (``asyncrl.loop.batch.to_sequences``); every hook
   does nothing.
-- ``CriticAdvantages`` (PPO): the critic (``asyncrl.stages.critic``) on the same ranks.
+- ``CriticAdvantages`` (PPO): the critic (``asyncrl.loop.critic``) on the same ranks.
   Before the update: the values of the batch, the KL penalty taken off the token rewards
   (``rl.loss.kl_in_reward``), GAE. During its warmup the policy keeps its weights. After
   the publish (generators never wait for it): the value training. Its core is
@@ -15,17 +15,17 @@ The math is in ``asyncrl.algorithms``; this module only says when it runs.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from asyncrl.algorithms.losses import PPOLossConfig
-from asyncrl.stages.critic import Critic
-from asyncrl.stages.rl_batch import penalize_kl_in_rewards
+from asyncrl.loop.batch import penalize_kl_in_rewards
+from asyncrl.loop.config import RLConfig
+from asyncrl.loop.critic import Critic
+from asyncrl.models import ModelConfig
+from asyncrl.trainer.config import TrainerConfig
 from asyncrl.trainer.core import TrainerCore
 from asyncrl.trainer.dist import DistInfo
 from asyncrl.trainer.packing import MicroBatch
-
-if TYPE_CHECKING:
-    from asyncrl.stages.rl_config import RLExperiment
 
 
 class Advantages(Protocol):
@@ -92,12 +92,14 @@ class CriticAdvantages:
         return {"critic": self.critic.core}
 
 
-def make_advantages(cfg: RLExperiment, info: DistInfo, pad_id: int) -> Advantages:
-    """The strategy of ``cfg.rl.algorithm``; for PPO this builds the critic's core."""
-    if cfg.rl.algorithm != "ppo":
+def make_advantages(
+    rl: RLConfig, model: ModelConfig, trainer: TrainerConfig, info: DistInfo, pad_id: int
+) -> Advantages:
+    """The strategy of ``rl.algorithm``; for PPO this builds the critic's core (on the
+    policy's ``model``, placed as the policy's ``trainer``)."""
+    if rl.algorithm != "ppo":
         return GroupRelative()
-    rl = cfg.rl
-    critic = Critic(rl.critic, cfg.model, cfg.trainer, info, pad_id, rl.max_steps)
+    critic = Critic(rl.critic, model, trainer, info, pad_id, rl.max_steps)
     # The penalty needs the reference's logprobs, loaded only when kl_coef is set.
     kl = rl.loss if rl.loss.kl_in_reward and rl.loss.kl_coef else None
     return CriticAdvantages(critic, kl)

@@ -19,15 +19,14 @@ before the next rollout, so every token is on-policy (staleness 0, ``max_stalene
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
+from asyncrl.buffer.config import RolloutConfig
 from asyncrl.buffer.core import RolloutBuffer
 from asyncrl.buffer.scoring import Scoring, buffer_counters
 from asyncrl.engine.base import StepOutput
@@ -35,29 +34,13 @@ from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.leases import PendingLease, lease_request, record_tokens
 from asyncrl.interfaces import FullParameters, SharedEngine
 from asyncrl.metrics import MetricsLogger
-from asyncrl.stages.common import threads_for
 from asyncrl.tasks import build_task
 from asyncrl.tasks.stream import TaskPrompts
 from asyncrl.trainer.dist import DistInfo
 from asyncrl.wire import Batch, Chunk
 
-if TYPE_CHECKING:
-    from asyncrl.stages.rl_config import RLExperiment
-
 WORKER_ID = "colocated"
 """The engine's name in the buffer's lease bookkeeping."""
-
-
-def colocated_threads(cfg: RLExperiment) -> int:
-    """Threads of the colocated process: the cores the async placement spreads over its
-    trainer ranks and generators, so both placements are compared on the same cores (at
-    most the machine's). ``num_generators=0`` leaves the trainer's own threads: on a
-    shared or busy machine, more intra-op threads than free cores slow a small model's
-    kernels down several times over (measured: 2 threads on 2 busy cores, ~10x)."""
-    cores = os.cpu_count() or 1
-    trainer = threads_for(cfg.trainer.threads_per_rank, cfg.trainer.num_ranks)
-    generators = (cfg.engine.threads or cores) * cfg.num_generators
-    return max(1, min(cores, trainer * cfg.trainer.num_ranks + generators))
 
 
 @dataclass
@@ -91,24 +74,25 @@ class ColocatedRollout:
     """A ``BatchSource`` and a ``WeightPublisher`` (``asyncrl.interfaces``) in one object,
     with no process behind it."""
 
-    def __init__(self, cfg: RLExperiment, info: DistInfo) -> None:
+    def __init__(self, rollout: RolloutConfig, threads: int, info: DistInfo) -> None:
+        """``threads``: the process's, shared by both phases (the stage's
+        ``RLExperiment.colocated_threads``)."""
         if info.world_size != 1:
             raise ValueError("the colocated placement runs a single trainer rank")
-        self.run_id, self.run_dir, self.rank = cfg.run_id, Path(cfg.run_dir), info.rank
+        self.run_id, self.run_dir, self.rank = rollout.run_id, Path(rollout.run_dir), info.rank
         self.lineage = ""  # its one engine is in this process: nothing is sent
-        rollout = cfg.rollout()
         # Both phases share the process's threads; the engine must not pin its own count.
-        torch.set_num_threads(colocated_threads(cfg))
-        engine_cfg = replace(cfg.engine.embedded, threads=0, device=info.device.type)
-        self.engine: SharedEngine = EmbeddedEngine(cfg.model.path, engine_cfg)
-        prompts = TaskPrompts(build_task(cfg.task), cfg.model.path, cfg.seed)
+        torch.set_num_threads(threads)
+        engine_cfg = replace(rollout.engine.embedded, threads=0, device=info.device.type)
+        self.engine: SharedEngine = EmbeddedEngine(rollout.model.path, engine_cfg)
+        prompts = TaskPrompts(build_task(rollout.task), rollout.model.path, rollout.seed)
         self.scoring = Scoring(rollout)
         self.buffer = RolloutBuffer(
-            rollout.buffer, cfg.run_id, prompts, cfg.sampling.spec(cfg.seed)
+            rollout.buffer, rollout.run_id, prompts, rollout.sampling.spec(rollout.seed)
         )
         self.pending: dict[str, PendingLease] = {}
         self.metrics = MetricsLogger(
-            cfg.run_dir, WORKER_ID, replace(cfg.metrics, progress_bar=False)
+            rollout.run_dir, WORKER_ID, replace(rollout.metrics, progress_bar=False)
         )
         self.step_timing, self.total = _Timing(), _Timing()
         self.served_at: float | None = None  # when the last batch went to the trainer
