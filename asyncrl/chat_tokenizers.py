@@ -6,7 +6,7 @@ layout). ``build_bpe_tokenizer`` trains one with the ``tokenizers`` library on t
 reasoning-gym generates (``tokenizer_corpus``); the result renders
 ``apply_chat_template`` and survives ``save_tokenizer`` / ``load_tokenizer``.
 
-Used by ``asyncrl.shapes`` (real-shape models) and by tests: ``small_tokenizer(family)``
+Used by ``asyncrl.random_models`` (real-shape models) and by tests: ``small_tokenizer(family)``
 gives a quick Qwen- or Llama-style tokenizer.
 
 Special ids: a vocabulary trained here (tens of thousands of tokens) cannot reach the

@@ -57,7 +57,7 @@ class TinyModelConfig:
     ``qwen`` / ``llama``: a byte-level BPE of that family trained on the task's text,
     with its special tokens and chat template (``asyncrl.chat_tokenizers``), for
     ``task.prompt_format="chat"`` and for servers that need a real tokenizer. The BPE
-    model is the family's architecture (``asyncrl.shapes.build_tiny_bpe_model``)."""
+    model is the family's architecture (``asyncrl.random_models.build_tiny_bpe_model``)."""
     bpe_vocab: int = 512
     """Tokens a BPE tokenizer trains (256 bytes and the merges; ``qwen``/``llama``)."""
     tie_embeddings: bool = False

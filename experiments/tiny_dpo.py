@@ -7,7 +7,7 @@ its checkpoint is missing.
 
 from pathlib import Path
 
-from asyncrl.algorithms.losses import DPOLossConfig
+from asyncrl.algorithms.preference import DPOLossConfig
 from asyncrl.config import load_experiment
 from asyncrl.evaluation import EvalConfig
 from asyncrl.models import ModelConfig

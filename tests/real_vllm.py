@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from asyncrl.chat_tokenizers import save_tokenizer, small_tokenizer
-from asyncrl.shapes import SHAPES, generation_config, hf_config, miniature, random_init_model
+from asyncrl.random_models import generation_config, random_init_model
+from asyncrl.shapes import SHAPES, hf_config, miniature
 
 from .sglang_client import free_port, wait_healthy
 
@@ -64,7 +65,7 @@ def own_weights_dir(model_dir: str) -> str:
     what a test loads to give the session's server its weights back. Not ``model_dir``
     itself: vLLM 0.32's ``reload_weights`` from a directory that has a tied LM head under
     the embedding's name only leaves the head on the weights loaded before."""
-    from asyncrl.engine.servers import write_weights_dir
+    from asyncrl.engine.weight_dirs import write_weights_dir
     from asyncrl.models import ModelConfig, load_model
 
     out = Path(f"{model_dir}-own")

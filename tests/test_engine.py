@@ -1,5 +1,10 @@
 """The embedded engine against transformers and against the trainer: logits, greedy
-generation, behavior logprobs, weight flips, abort, and no leaks."""
+generation, behavior logprobs, weight flips, abort, and no leaks.
+
+Why one file: the embedded engine's equivalences (logits, greedy tokens, logprobs, flips,
+seeded draws against transformers and the trainer) share the models and engines built once
+at the top.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from asyncrl.engine.base import Request, SamplingParams
 from asyncrl.engine.decoder import CachedDecoder, KVCache
 from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from asyncrl.engine.servers import write_weights_dir
+from asyncrl.engine.weight_dirs import write_weights_dir
 from asyncrl.logprobs import token_logprobs
 from asyncrl.models import ModelConfig, load_model, load_tokenizer, model_config
 from asyncrl.trainer.config import OptimConfig, TrainerConfig

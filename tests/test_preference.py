@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.algorithms.losses import DPOLossConfig, bradley_terry_loss, dpo_loss
+from asyncrl.algorithms.preference import DPOLossConfig, bradley_terry_loss, dpo_loss
 from asyncrl.buffer.reward_model import score_sequences
 from asyncrl.logprobs import token_logprobs
 from asyncrl.models import ModelConfig, load_model, load_tokenizer

@@ -17,7 +17,7 @@ import torch
 from asyncrl.engine.base import Request, SamplingParams
 from asyncrl.engine.config import RemoteEngineConfig
 from asyncrl.engine.remote import RemoteEngine
-from asyncrl.engine.servers import write_weights_dir
+from asyncrl.engine.weight_dirs import write_weights_dir
 from asyncrl.models import ModelConfig, load_model
 from asyncrl.trainer.publish_vllm import init_info, update_info
 from asyncrl.trainer.transfer_senders import GlooSender

@@ -2,7 +2,12 @@
 (``asyncrl.serving.serve``), the disk weight publisher, and a short RL run through the
 real launcher with remote generators. The same engine against real sglang, and NCCL
 weight updates (``NcclWeightPublisher``), need sglang and a CUDA GPU (``sglang`` and
-``gpu`` markers) and are skipped elsewhere."""
+``gpu`` markers) and are skipped elsewhere.
+
+Why one file: one component, the remote engine, from its requests against launched servers
+through its weight updates, version checks and config to a run of the launcher; the servers
+are started once per module and shared.
+"""
 
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ from asyncrl.engine.base import Finished, Request, SamplingParams
 from asyncrl.engine.config import EngineConfig, RemoteEngineConfig
 from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from asyncrl.engine.remote import RemoteEngine
-from asyncrl.engine.servers import write_weights_dir
+from asyncrl.engine.weight_dirs import write_weights_dir
 from asyncrl.interfaces import FullParameters
 from asyncrl.metrics import read_metrics
 from asyncrl.models import ModelConfig, load_model, load_tokenizer

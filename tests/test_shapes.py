@@ -20,13 +20,8 @@ from asyncrl.chat_tokenizers import (
     tokenizer_corpus,
 )
 from asyncrl.models import ModelConfig, load_model, load_tokenizer
-from asyncrl.shapes import (
-    SHAPES,
-    build_shaped_model,
-    hf_config,
-    meta_param_count,
-    random_init_model,
-)
+from asyncrl.random_models import build_shaped_model, random_init_model
+from asyncrl.shapes import SHAPES, hf_config, meta_param_count
 
 QUESTION = {"role": "user", "content": "What is 12 + 345?"}
 ANSWER = {"role": "assistant", "content": "357"}

@@ -3,7 +3,12 @@
 sglang client on the same front: what both clients must do alike is one test run with
 each (``api``). Then the client's own reading of vLLM's responses, its refusal of an
 unsupported vLLM version, its launch settings, and, where vLLM imports and a GPU is
-present (``gpu``), the same engine driving a launched ``vllm serve``."""
+present (``gpu``), the same engine driving a launched ``vllm serve``.
+
+Why one file: one client, vLLM's, run side by side with sglang's on the same front
+(``api``), then its own reading of vLLM's responses and versions; the front is started once
+per module and shared.
+"""
 
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ from asyncrl.engine.base import Request, SamplingParams
 from asyncrl.engine.config import RemoteEngineConfig
 from asyncrl.engine.remote import RemoteEngine
 from asyncrl.engine.servers import VLLM_CPU_KV_GB, server_command, server_env
-from asyncrl.engine.vllm_client import (
+from asyncrl.engine.vllm_requests import (
     TESTED_VLLM,
     VllmServer,
     check_version,

@@ -26,7 +26,7 @@ import time
 import pytest
 import torch
 
-from asyncrl.engine.vllm_client import check_version, parse_version
+from asyncrl.engine.vllm_requests import check_version, parse_version
 from asyncrl.logprobs import token_logprobs
 from asyncrl.models import ModelConfig, load_model
 

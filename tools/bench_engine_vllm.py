@@ -36,7 +36,7 @@ import torch
 from asyncrl.engine.base import Request, SamplingParams
 from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from asyncrl.models import TinyModelConfig, model_config
-from asyncrl.shapes import build_tiny_bpe_model
+from asyncrl.random_models import build_tiny_bpe_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CONCURRENCY = (1, 16, 64)

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from asyncrl.chat_tokenizers import tokenizer_corpus
 from asyncrl.models import load_tokenizer, model_config
-from asyncrl.shapes import SHAPES, build_shaped_model, meta_param_count
+from asyncrl.random_models import build_shaped_model
+from asyncrl.shapes import SHAPES, meta_param_count
 
 
 def main(argv: list[str] | None = None) -> int:

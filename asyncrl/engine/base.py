@@ -114,7 +114,7 @@ class WeightsPush(Protocol):
 Weights = Mapping[str, torch.Tensor] | str | Path | WeightsPush
 """New weights for ``Engine.stage_weights``: a state dict (full tensors by parameter name),
 the path of a Hugging Face directory holding them in ``*.safetensors`` files (what
-``asyncrl.engine.servers.write_weights_dir`` and the ``DiskWeightPublisher`` write), or a
+``asyncrl.engine.weight_dirs.write_weights_dir`` and the ``DiskWeightPublisher`` write), or a
 ``WeightsPush`` (remote vLLM servers)."""
 
 

@@ -38,9 +38,9 @@ from asyncrl.engine.base import EngineStatus, Finished, GeneratedToken, Request,
 from asyncrl.engine.config import EmbeddedEngineConfig
 from asyncrl.engine.decoder import CachedDecoder, KVCache
 from asyncrl.engine.sampling import sample
-from asyncrl.engine.servers import read_weights_dir
 from asyncrl.engine.stager import WeightStager
 from asyncrl.engine.stops import StopChecker
+from asyncrl.engine.weight_dirs import read_weights_dir
 from asyncrl.models import ModelConfig, empty_model, load_model, weightless_model
 
 

@@ -68,12 +68,8 @@ from asyncrl.engine.remote_requests import RequestQueue
 from asyncrl.engine.remote_weights import ServerState, ServerUpdates
 from asyncrl.engine.server_apis import server_api
 from asyncrl.engine.server_watch import ServerWatch
-from asyncrl.engine.servers import (
-    RemoteEngineConfig,
-    start_servers,
-    stop_servers,
-    write_weights_dir,
-)
+from asyncrl.engine.servers import RemoteEngineConfig, start_servers, stop_servers
+from asyncrl.engine.weight_dirs import write_weights_dir
 from asyncrl.models import model_config
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import msgspec
 from aiohttp import web
 
-from asyncrl.engine.vllm_client import parse_version
+from asyncrl.engine.vllm_requests import parse_version
 from asyncrl.serving.openai_protocol import (
     Completion,
     chat_completion_body,

@@ -32,6 +32,10 @@ Where this departs from vLLM, and why:
 - Chat: the model's chat template renders the messages with the generation prompt; a
   content is a string or text parts (joined with newlines, as vLLM does); other message
   fields (``name``...) are dropped; ``tool_calls`` are a 400.
+
+Why one file: OpenAI's completion and chat APIs in both directions, as data: the keys a
+request may hold and the shape of the answer are checked against one specification and
+change together; the HTTP side is ``asyncrl.serving.openai_api``.
 """
 
 from __future__ import annotations

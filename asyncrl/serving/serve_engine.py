@@ -23,14 +23,10 @@ import torch
 
 from asyncrl.engine.base import Request, StepOutput
 from asyncrl.engine.embedded import EmbeddedEngine
-from asyncrl.engine.servers import read_weights_dir
+from asyncrl.engine.weight_dirs import read_weights_dir
 from asyncrl.models import load_tokenizer, model_config
-from asyncrl.serving.serve_protocol import (
-    BadRequest,
-    GenerateInput,
-    Generation,
-    finish_reason_json,
-)
+from asyncrl.serving.serve_protocol import BadRequest, GenerateInput
+from asyncrl.serving.sglang_response import Generation, finish_reason_json
 
 log = logging.getLogger("asyncrl.serve")
 

@@ -42,7 +42,7 @@ import asyncio
 
 from aiohttp import web
 
-from asyncrl.engine.vllm_client import parse_version
+from asyncrl.engine.vllm_requests import parse_version
 from asyncrl.serving.openai_api import error_response, json_response
 from asyncrl.serving.serve_engine import EngineServer
 from asyncrl.serving.serve_protocol import BadRequest, read_json

@@ -17,7 +17,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from asyncrl.algorithms.losses import DPOLossConfig, dpo_loss
+from asyncrl.algorithms.preference import DPOLossConfig, dpo_loss
 from asyncrl.logprobs import token_logprobs
 from asyncrl.models import forward_padded, load_model
 from asyncrl.stages.common import stage_main

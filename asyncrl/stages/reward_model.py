@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from asyncrl.algorithms.losses import bradley_terry_loss
+from asyncrl.algorithms.preference import bradley_terry_loss
 from asyncrl.stages.common import stage_main
 from asyncrl.stages.pairs import (
     PairData,

@@ -31,7 +31,7 @@ from asyncrl.evaluation import (
 )
 from asyncrl.metrics import MetricsConfig, MetricsLogger
 from asyncrl.models import ModelConfig, build_tiny_model, load_tokenizer
-from asyncrl.shapes import build_tiny_bpe_model
+from asyncrl.random_models import build_tiny_bpe_model
 from asyncrl.stages.common import (
     ProcessSpec,
     out_of_time,

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from asyncrl.engine.config import EngineConfig
-from asyncrl.engine.servers import write_weights_dir
+from asyncrl.engine.weight_dirs import write_weights_dir
 from asyncrl.interfaces import FullParameters, WeightPublisher
 from asyncrl.trainer.publish_sglang import NcclWeightPublisher
 from asyncrl.trainer.publish_vllm import VllmTransferPublisher
