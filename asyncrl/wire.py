@@ -27,6 +27,9 @@ Tensors never go through msgpack: ``asyncrl.weights.frames`` sends them as raw f
 after a header. Nothing here, or anywhere on a socket, is pickled. ``WireDecoder``
 turns bad frames into counted ``WireError`` kinds instead of exceptions that could crash
 a process.
+
+Why one file: it is the protocol: every message a process may send, with the codec that
+refuses any other, so a reader sees in one place what can cross a socket.
 """
 
 from __future__ import annotations

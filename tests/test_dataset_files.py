@@ -1,6 +1,10 @@
 """Tests for asyncrl.tasks.dataset (source="dataset") and tools/make_dataset.py: every
 shape loads through its field map from JSONL and Parquet, eval is held out, and bad
-input fails naming the file, row and key."""
+input fails naming the file, row and key.
+
+Why one file: one loader (``source="dataset"``) and the tool that writes its files, shape by
+shape and error by error; the cases share their file builders.
+"""
 
 from __future__ import annotations
 

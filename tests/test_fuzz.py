@@ -2,7 +2,11 @@
 wrong-version, wrong-run, misplaced and multi-frame messages: the buffer process's three
 sockets, a generator process's lease DEALER and weights SUB, a trainer rank's DEALER
 (``BufferClient``) and the trainer's weights PUB. None crashes, each bad frame is counted
-by kind, and each keeps serving good ones. (A generator's PUSH only sends.)"""
+by kind, and each keeps serving good ones. (A generator's PUSH only sends.)
+
+Why one file: one method, applied to every socket that receives: the same generators of bad
+frames against each process in turn.
+"""
 
 from __future__ import annotations
 

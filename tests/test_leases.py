@@ -6,7 +6,11 @@ such a lease are counted as ``tokens_revoked_alive``.
 
 Unit tests drive ``LeaseTable`` through the ``Journal`` with a simulated clock; the
 socket tests run a real ``BufferServer`` in a thread, with the test as the generator or
-with a ``GeneratorWorker`` over a fake engine that gets stuck on its first request."""
+with a ``GeneratorWorker`` over a fake engine that gets stuck on its first request.
+
+Why one file: one mechanism, lease ownership, from the table's rules under a simulated clock
+to the buffer and a generator over real sockets.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,10 @@
 """Security: CURVE keeps strangers off a buffer bound to every interface, keys
 are private and made once, defaults bind loopback, oversized messages are refused, and
-nothing from the network is unpickled."""
+nothing from the network is unpickled.
+
+Why one file: one property, that nothing from the network gets in unasked, checked at every
+door: CURVE, key files, bind addresses, message limits, pickle.
+"""
 
 from __future__ import annotations
 

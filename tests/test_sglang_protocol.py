@@ -7,6 +7,10 @@ front for its embedded engine (``python -m asyncrl.serving.serve``), always; ``s
 serve the same tiny random Qwen2 (``tiny_model_dir``). A few checks are the embedded
 server's own guarantees and say so: per-token versions (``output_token_versions``, an
 asyncrl extension), weight flips mid-sequence, and error messages that name the field.
+
+Why one file: one conformance suite: the same cases against every server that speaks
+sglang's ``/generate`` (asyncrl's front always, sglang where it runs), so a case reads as
+the protocol's rule.
 """
 
 from __future__ import annotations

@@ -1,6 +1,11 @@
 """The discrete-event simulator (``asyncrl.sim``): the staleness bound at η = 0 and without
 bound, admission against the real buffer, conservation of samples, calibration on a
-hand-made run directory, the colocated placement's serial sum, and the command line."""
+hand-made run directory, the colocated placement's serial sum, and the command line.
+
+Why one file: one component, the simulator, against the invariants of the system it models
+and the real buffer's admission; calibration and its command line read the run directories
+the other cases build.
+"""
 
 from __future__ import annotations
 

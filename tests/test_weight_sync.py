@@ -1,5 +1,9 @@
 """Weights in buckets, by deltas: the trainer's publisher and a generator's intake over real
-ZeroMQ sockets, with real optimizer steps in between; the receiver's rules one by one."""
+ZeroMQ sockets, with real optimizer steps in between; the receiver's rules one by one.
+
+Why one file: one path, weights in buckets by deltas from the trainer's publisher to a
+generator's intake, over the same sockets and optimizer steps in every case.
+"""
 
 from __future__ import annotations
 

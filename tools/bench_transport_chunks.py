@@ -24,6 +24,9 @@ answers when the group's rewards come back, a few milliseconds later. ``chunks_p
 8 sentinel chunks and their scoring are inside it. Afterwards the server is stopped and
 its ``buffer_counters.json`` must show every token received and no chunk unknown,
 duplicate or malformed. Each run starts a fresh server.
+
+Why one file: one benchmark, its senders, its server and its check of the buffer's books,
+run as one command.
 """
 
 from __future__ import annotations

@@ -44,6 +44,8 @@ directory (read by ``tools/chaos_books.py``):
                                              recovered_after_s (the trainer past that step)
 
 Ends with one JSON line; exits 1 naming the failed checks when any fails.
+
+Why one file: one tool: it kills, restarts and audits a run, and its report needs all three.
 """
 
 from __future__ import annotations

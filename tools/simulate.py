@@ -14,6 +14,9 @@
 
 Each ends with one JSON line. ``--cores`` is the machine the runs were measured on
 (default: this one's).
+
+Why one file: one command line over the simulator: its predictions, sweeps and calibration
+share the arguments and the JSON line each ends with.
 """
 
 from __future__ import annotations

@@ -32,6 +32,10 @@ Every ``metrics.interval_s`` it logs ``window()`` as ``generator/*`` scalars, an
 
 The ZeroMQ I/O thread receiving the frames is invisible here: a message is seen only
 once it is whole, so "update" starts at arrival, not at the first byte.
+
+Why one file: every figure of a generator's summary and ``generator/*`` scalars comes from
+one ``GeneratorStats``; the per-batch-size table, the totals and the version finishes are
+its parts, used nowhere else, and read best beside the figures they make.
 """
 
 from __future__ import annotations

@@ -17,6 +17,12 @@ updates against steady ones) into ``RUN_DIR/metrics.jsonl`` and TensorBoard as p
 at exit.
 
     python -m asyncrl.generator.worker --config RUN_DIR/rollout.json --worker-id g0
+
+Why one file: the generator process is one loop (leases in, engine steps, chunks out) and
+the weights thread that feeds it; ``make_engine`` and ``main`` are its entry. Its parts with
+a life of their own are elsewhere already: the engines, the lease bridge
+(``asyncrl.engine.leases``), the weight intake (``asyncrl.generator.weights``) and the
+measurements (``asyncrl.generator.stats``).
 """
 
 from __future__ import annotations

@@ -20,6 +20,10 @@ break by insertion order, so a run is a pure function of its config, params and 
 - ``Simulation`` wires them for a placement: generators, a buffer server and a trainer
   (async), or one generator that leases straight from the buffer and the trainer's phases
   in one process, never both at once (colocated).
+
+Why one file: the simulated processes share one event loop and one CPU model, and each
+mirrors a real process's loop; they are read side by side to check that the simulation makes
+the same decisions as the code it models.
 """
 
 from __future__ import annotations
