@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import ConfigError, apply_overrides, load_json, save_json
+from asyncrl.engine.config import EngineConfig
 from asyncrl.stages.sft import SFTExperiment
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,3 +92,35 @@ def test_launcher_rejects_bad_override_and_prints_config():
     printed = json.loads(ok.stdout)
     assert printed["optim"]["lr"] == 0.5 and printed["run_dir"] == "/nonexistent/x"
     assert not Path("/nonexistent/x").exists()
+
+
+@pytest.mark.parametrize(
+    ("settings", "plan"),
+    [
+        ({}, ("embedded", "none", "buckets", False)),
+        ({"backend": "remote", "remote.server": "embedded"}, ("remote", "embedded", "disk", False)),
+        (
+            {"backend": "remote", "remote.weight_update": "nccl"},
+            ("remote", "sglang", "sglang_nccl", False),
+        ),
+        ({"backend": "remote", "remote.server": "vllm"}, ("remote", "vllm", "disk", False)),
+        (
+            {
+                "backend": "remote",
+                "remote.server": "vllm",
+                "remote.weight_update": "gloo",
+                "remote.urls": '["http://h:1"]',
+            },
+            ("remote", "vllm", "vllm_transfer", True),
+        ),
+        (
+            {"backend": "remote", "remote.server": "vllm", "remote.weight_update": "nccl"},
+            ("remote", "vllm", "vllm_transfer", False),
+        ),
+    ],
+)
+def test_the_backend_plan_resolves_the_engine_settings(settings, plan):
+    cfg = apply_overrides(EngineConfig(), [f"{k}={v}" for k, v in settings.items()])
+    got = cfg.plan()
+    assert (got.engine, got.server, got.weights, got.attached) == plan
+    assert got.own_sampler == (got.server in ("sglang", "vllm"))

@@ -160,3 +160,42 @@ class EngineConfig:
     def threads(self) -> int:
         """torch threads of a generator process: the selected backend's ``threads``."""
         return self.remote.threads if self.backend == "remote" else self.embedded.threads
+
+    def plan(self) -> BackendPlan:
+        """The backend choice resolved: what the publisher, the launchers, the generators
+        and the replay read, so that none of them works it out from the settings again."""
+        if self.backend == "embedded":
+            return BackendPlan("embedded", "none", "buckets", attached=False)
+        remote = self.remote
+        if remote.server == "vllm" and remote.weight_update != "disk":
+            weights = "vllm_transfer"
+        else:
+            weights = "sglang_nccl" if remote.weight_update == "nccl" else "disk"
+        return BackendPlan("remote", remote.server, weights, attached=bool(remote.urls))
+
+
+@dataclass(frozen=True)
+class BackendPlan:
+    """Which engine the generators run, on which servers, and how weights reach them:
+    ``EngineConfig.plan``, resolved from the settings once they are checked."""
+
+    engine: Literal["embedded", "remote"]
+    server: Literal["none", "embedded", "sglang", "vllm"]
+    """The remote servers' kind (``engine.remote.server``); ``none`` for the embedded
+    engine."""
+    weights: Literal["buckets", "disk", "vllm_transfer", "sglang_nccl"]
+    """How a published version reaches the engines: ``buckets`` over ZeroMQ to embedded
+    engines (``BucketPublisher``); ``disk``, a directory each server loads; vLLM's weight
+    transfer (NCCL, or gloo against asyncrl's front); sglang's NCCL update."""
+    attached: bool
+    """The servers are given by URL (``engine.remote.urls``), not launched by generators."""
+
+    @property
+    def embedded(self) -> bool:
+        return self.engine == "embedded"
+
+    @property
+    def own_sampler(self) -> bool:
+        """Whether samples are drawn by a server's own sampler (sglang's or vLLM's), not
+        asyncrl's: a seeded sample cannot then be drawn again by the embedded engine."""
+        return self.server in ("sglang", "vllm")

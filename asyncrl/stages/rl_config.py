@@ -139,7 +139,7 @@ class RLExperiment:
         self.check_probe()
         if self.task.environment:
             self.check_episodes()
-        if self.engine.backend == "remote":
+        if not self.engine.plan().embedded:
             self.check_remote()
 
     def check_colocated(self) -> None:
@@ -147,7 +147,7 @@ class RLExperiment:
         bound is 0 (said when the setting was otherwise)."""
         if self.trainer.num_ranks != 1:
             raise ConfigError("placement=colocated runs one process: set trainer.num_ranks=1")
-        if self.engine.backend != "embedded":
+        if not self.engine.plan().embedded:
             raise ConfigError(
                 "placement=colocated runs the embedded engine in the trainer "
                 "process: set engine.backend=embedded or placement=async"
@@ -168,7 +168,7 @@ class RLExperiment:
     def check_probe(self) -> None:
         """The check after a flip needs engines that can score it: embedded generators."""
         if self.transport.weights.probe_text and (
-            self.placement == "colocated" or self.engine.backend != "embedded"
+            self.placement == "colocated" or not self.engine.plan().embedded
         ):
             raise ConfigError(
                 "transport.weights.probe_text: the probe is scored by generator processes "

@@ -56,13 +56,13 @@ def weight_publisher(
 ) -> WeightPublisher:
     """Rank 0's publisher for the generators' ``engine``: buckets to embedded engines;
     to servers, vLLM's weight transfer, sglang's NCCL update, or directories on disk."""
-    remote = engine.remote
-    if engine.backend == "embedded":
+    weights = engine.plan().weights
+    if weights == "buckets":
         return BucketPublisher(site)
-    if remote.server == "vllm" and remote.weight_update != "disk":
-        return VllmTransferPublisher(site, remote)
-    if remote.weight_update == "nccl":
-        return NcclWeightPublisher(site, remote, num_generators)
+    if weights == "vllm_transfer":
+        return VllmTransferPublisher(site, engine.remote)
+    if weights == "sglang_nccl":
+        return NcclWeightPublisher(site, engine.remote, num_generators)
     return DiskWeightPublisher(site, model_path)
 
 
