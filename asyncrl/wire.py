@@ -159,6 +159,10 @@ class Heartbeat(Message):
     counters: dict[str, float] = {}
     incarnation: str = ""
     """As ``LeaseRequest.incarnation`` (generators; trainers leave it empty)."""
+    leases: list[str] | None = None
+    """A generator's leases now: granted and not yet finished or aborted (waiting for
+    weights, generating, or between an episode's turns). The buffer takes back a lease its
+    live holder stops listing (its grant or last chunks were lost). None: not reported."""
 
 
 class BatchRequest(Message):

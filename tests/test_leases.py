@@ -163,6 +163,30 @@ def test_a_restarted_holder_loses_its_old_leases_at_once_and_keeps_its_new_ones(
     assert journal.expire(5.0) == {} and new.lease_id in buffer.leases.active
 
 
+def test_a_lease_its_live_holder_stops_listing_is_taken_back_with_its_tokens():
+    """A buffer that died after journalling a lease's chunk but before the last one came
+    (the holder sent it to the dead process) would wait ``progress_timeout_s`` for a
+    sample its holder thinks finished. The holder's heartbeats list the leases it holds:
+    one it no longer lists, ``heartbeat_timeout_s`` after its issue, is taken back (nobody
+    told) and issued again from its tokens; one just issued, or listed, is left alone."""
+    buffer = _buffer(heartbeat_timeout_s=2.0, progress_timeout_s=300.0)
+    journal = Journal(buffer)
+    [lost, kept] = journal.lease("g0", 2, 0.0)
+    journal.chunk(_chunk(lost.lease_id, 0, [5, 6]), 0.5)
+    buffer.leases.on_heartbeat("g0", 1.0, 0, [kept.lease_id])  # too soon to judge
+    assert journal.expire(1.0) == {}
+    buffer.leases.on_heartbeat("g0", 2.5, 0, [kept.lease_id])
+    assert journal.expire(2.5) == {}  # taken back, and nobody to tell
+    assert lost.lease_id not in buffer.leases.active and kept.lease_id in buffer.leases.active
+    assert buffer.state.counts["leases_revoked_not_held"] == 1
+    [again] = journal.lease("g0", 1, 3.0)
+    assert again.group_id == lost.group_id and again.prefix_ids == [5, 6]
+    buffer.leases.on_heartbeat("g0", 4.0, 0, [kept.lease_id])  # the new one not listed yet
+    assert journal.expire(4.0) == {} and again.lease_id in buffer.leases.active
+    buffer.leases.on_heartbeat("g0", 9.0)  # a heartbeat with no list keeps the last one
+    assert journal.expire(9.0) == {} and kept.lease_id in buffer.leases.active
+
+
 def test_a_lease_stuck_behind_a_lost_chunk_is_taken_back_and_its_holder_told():
     buffer = _buffer(gap_timeout_s=5.0)
     journal = Journal(buffer)

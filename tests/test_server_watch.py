@@ -64,6 +64,32 @@ def test_an_attached_server_that_stays_down_ends_the_engine_naming_it(
         engine.close()
 
 
+def test_an_idle_engine_reports_its_lost_server_in_its_status(tiny_model_dir, tmp_path):
+    """Its one request aborted after the server went down, the engine has nothing to step
+    (and no free slot to lease into): the failure still shows, in ``status().failure``,
+    which the generator reads every turn, so an idle generator stops too."""
+    proc, url = front(tiny_model_dir, tmp_path)
+    engine = RemoteEngine(tiny_model_dir, remote_config(urls=[url], dead_after_s=8).remote)
+    try:
+        post(url, "/slow_down", {"forward_sleep_time": 0.05})
+        engine.submit(Request("a", [3, 4, 5], SamplingParams(max_new_tokens=100)))
+        while not engine.step().tokens:  # sent at a step; under way once tokens come
+            pass
+        kill(proc)
+        start = time.monotonic()
+        while engine.status().metrics["engine/servers_down"] == 0:
+            assert time.monotonic() - start < 20, "the lost server was never noticed"
+            engine.step()
+        engine.abort("a")
+        while (status := engine.status()).failure is None:
+            assert time.monotonic() - start < 30, "no failure reported"
+            time.sleep(0.2)
+        assert url in status.failure and "dead_after_s=8" in status.failure
+        assert status.free_slots <= 0 and 8 <= time.monotonic() - start <= 8 + 10
+    finally:
+        engine.close()
+
+
 def test_a_launched_server_that_dies_is_restarted_and_its_request_goes_on(tiny_model_dir, tmp_path):
     """The engine starts its server again on the same port; the request in flight is sent
     again as prompt + tokens so far and finishes; the restart is counted."""

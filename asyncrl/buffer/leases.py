@@ -13,6 +13,10 @@ as long as its generation does, minutes if need be; it is taken back (``expire``
     gap            a chunk before the ones waiting never came, for ``gap_timeout_s``
     no_progress    its holder is alive but sent no new chunk for it for
                    ``progress_timeout_s``, counted from its issue or its latest chunk
+    not_held       its holder is alive but its heartbeats no longer list it, from
+                   ``heartbeat_timeout_s`` after its issue: the grant or the last chunks
+                   were lost (a buffer that died between journalling and sending them,
+                   or chunks queued to the dead process), and the holder will send nothing
 
 The sample then goes first in line to be leased again, with the tokens already assembled
 as the next holder's prefix. A holder that is alive (the last two) is told to abort the
@@ -32,7 +36,7 @@ from asyncrl.seeds import derive_seed
 from asyncrl.wire import Chunk, Lease, SamplingSpec
 
 HOLDER_SILENT, GAP, NO_PROGRESS = "holder_silent", "gap", "no_progress"
-HOLDER_RESTARTED = "holder_restarted"
+HOLDER_RESTARTED, NOT_HELD = "holder_restarted", "not_held"
 """Why ``expire`` takes a lease back; counted as ``leases_revoked_<reason>``."""
 REVOKED_ALIVE_KEPT = 1024
 """Leases revoked from a live holder remembered for ``tokens_revoked_alive``: the holder
@@ -75,6 +79,10 @@ class LeaseTable:
         """Each generator's process start it last spoke from (``on_incarnation``)."""
         self.orphaned: set[str] = set()
         """Leases whose holder restarted, for the next ``expire`` to take back."""
+        self.issued_at: dict[str, float] = {}
+        """When each lease out now was issued (or the buffer restored it)."""
+        self.claimed: dict[str, tuple[frozenset[str], float]] = {}
+        """Each generator's latest list of the leases it holds, and when it came."""
 
     def lease(self, worker_id: str, capacity: int, now: float) -> list[Lease]:
         """Up to ``capacity`` leases for ``worker_id``: samples waiting first, then samples
@@ -149,10 +157,20 @@ class LeaseTable:
                 if groups[g].slots[i].worker_id == worker_id
             )
 
-    def on_heartbeat(self, worker_id: str, now: float, version: int | None = None) -> None:
+    def on_heartbeat(
+        self,
+        worker_id: str,
+        now: float,
+        version: int | None = None,
+        leases: list[str] | None = None,
+    ) -> None:
+        """A heartbeat: the holder is alive, runs ``version`` and holds ``leases`` (None:
+        not reported)."""
         self.last_seen[worker_id] = now
         if version is not None:
             self.worker_versions[worker_id] = version
+        if leases is not None:
+            self.claimed[worker_id] = (frozenset(leases), now)
 
     def expire(self, now: float) -> dict[str, str]:
         """The leases to take back now, lease id → reason (``holder_silent``, ``gap`` or
@@ -173,7 +191,19 @@ class LeaseTable:
                 expired[lease_id] = GAP
             elif now - self.progress_at.get(lease_id, now) > cfg.progress_timeout_s:
                 expired[lease_id] = NO_PROGRESS
+            elif self._forgotten(lease_id, slot.worker_id):
+                expired[lease_id] = NOT_HELD
         return expired
+
+    def _forgotten(self, lease_id: str, holder: str) -> bool:
+        """Whether the holder's heartbeats stopped listing the lease: its latest list came
+        ``heartbeat_timeout_s`` after the issue (a grant reaches a live holder in far less)
+        and does not name it."""
+        held, at = self.claimed.get(holder, (None, 0.0))
+        issued = self.issued_at.get(lease_id)
+        if held is None or issued is None or lease_id in held:
+            return False
+        return at - issued > self.cfg.heartbeat_timeout_s
 
     def revoke(
         self, lease_ids: list[str], reasons: list[str] | None = None
@@ -192,6 +222,7 @@ class LeaseTable:
             holder = slot.worker_id
             slot.lease_id, slot.worker_id, slot.pending, slot.gap_since = None, None, {}, None
             self.progress_at.pop(lease_id, None)
+            self.issued_at.pop(lease_id, None)
             self.state.to_lease.insert(0, (group_id, index))  # first in line; keeps its tokens
             counts["leases_reissued"] += 1
             if reason is not None:
@@ -208,6 +239,8 @@ class LeaseTable:
         groups = self.state.groups
         self.last_seen = {groups[g].slots[i].worker_id: now for g, i in self.active.values()}
         self.progress_at = dict.fromkeys(self.active, now)
+        self.issued_at = dict.fromkeys(self.active, now)
+        self.claimed = {}  # lists sent before ``now`` may predate grants the holder has
 
     def _remember_revoked_alive(self, lease_id: str, holder: str) -> None:
         revoked = self.state.revoked_alive
@@ -223,7 +256,7 @@ class LeaseTable:
         st.next_lease += 1
         slot.worker_id, slot.next_seq = worker_id, 0
         self.active[slot.lease_id] = (group_id, index)
-        self.progress_at[slot.lease_id] = now
+        self.progress_at[slot.lease_id] = self.issued_at[slot.lease_id] = now
         st.counts["leases_issued"] += 1
         continued = 0 in slot.loss_mask  # an episode with a whole turn and its answer
         if continued:
@@ -254,10 +287,12 @@ class LeaseTable:
     def _finish(self, group_id: int, slot: Slot, reason: str | None) -> None:
         del self.active[slot.lease_id]
         self.progress_at.pop(slot.lease_id, None)
+        self.issued_at.pop(slot.lease_id, None)
         slot.lease_id, slot.finish_reason = None, reason
         group = self.state.groups[group_id]
         if reason == "error":  # the group fails: its other samples' leases end with it
             for other in group.slots:
                 self.active.pop(other.lease_id, None)
                 self.progress_at.pop(other.lease_id, None)
+                self.issued_at.pop(other.lease_id, None)
         self.groups.finished(group, slot)

@@ -227,7 +227,7 @@ class BufferServer:
             self.journal.chunk(msg, now)
         elif isinstance(msg, Heartbeat):
             self.buffer.leases.on_incarnation(msg.worker_id, msg.incarnation)
-            self.buffer.leases.on_heartbeat(msg.worker_id, now, msg.version)
+            self.buffer.leases.on_heartbeat(msg.worker_id, now, msg.version, msg.leases)
         else:
             self._unexpected(msg, "chunks socket")
 

@@ -141,3 +141,6 @@ class EngineStatus:
     metrics: dict[str, float] = field(default_factory=dict)
     """Every counter and gauge under its ``engine/`` name, for logging and servers'
     ``/get_server_info``; decisions read the typed fields above."""
+    failure: str | None = None
+    """Why the engine cannot go on (``ServerFailed``'s message), as soon as it is known: an
+    idle engine is not stepped, so its caller reads it here; None while it can."""

@@ -191,7 +191,10 @@ class RemoteEngine:
             **updates.metrics(),
             **self.watch.metrics(),
         }
-        return EngineStatus(running, waiting, free, version, staged, c.tokens, None, metrics)
+        failure = self.requests.failure or self.watch.fatal
+        return EngineStatus(
+            running, waiting, free, version, staged, c.tokens, None, metrics, failure
+        )
 
     def close(self) -> None:
         if self._loop.is_running():

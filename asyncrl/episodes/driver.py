@@ -72,6 +72,10 @@ class EpisodeDriver:
     def __contains__(self, lease_id: str) -> bool:
         return lease_id in self.episodes
 
+    def lease_ids(self) -> set[str]:
+        """The leases of the episodes under way, between turns or in one."""
+        return set(self.episodes)
+
     def between_turns(self) -> int:
         """Episodes whose environment is working: they hold no engine slot, and the
         generator should not sleep."""

@@ -145,6 +145,8 @@ class GeneratorWorker:
     # ---- leases --------------------------------------------------------------------
     def _busy(self) -> bool:
         status = self.engine.status()
+        if status.failure:  # a server lost for good, seen even with nothing to step
+            raise ServerFailed(status.failure)
         return status.running + status.waiting > 0
 
     def _idle_ms(self) -> int:
@@ -320,6 +322,9 @@ class GeneratorWorker:
         p.token_ids, p.logprobs, p.versions, p.loss_mask = [], [], [], []
 
     def _heartbeat(self) -> None:
+        # Grants that came during a long step are taken first: the buffer takes back a
+        # lease the list leaves out.
+        self._take_leases(block_ms=0)
         status = self.engine.status()
         bad = sum(self.decoder.errors.values()) + sum(self.weights.decoder.errors.values())
         beat = Heartbeat(
@@ -329,6 +334,7 @@ class GeneratorWorker:
             version=status.version,
             running=status.running,
             incarnation=self.incarnation,
+            leases=self._lease_ids(),
             counters={
                 "tokens_sent": float(self.tokens_sent),
                 "bad_frames": float(bad),
@@ -338,6 +344,13 @@ class GeneratorWorker:
             },
         )
         self.push.send(encode(beat))
+
+    def _lease_ids(self) -> list[str]:
+        """Every lease this process holds: waiting for weights, generating, or an episode's."""
+        ids = {lease.lease_id for lease in self.held} | self.pending.keys()
+        if self.episodes is not None:
+            ids |= self.episodes.lease_ids()
+        return sorted(ids)
 
 
 def make_engine(cfg: RolloutConfig, model_path: str, worker_id: str) -> Engine:
