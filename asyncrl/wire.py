@@ -8,6 +8,7 @@ Who sends what:
     LeaseRevoked   buffer -> generator    leases taken back: abort them, send nothing more
     Chunk          generator -> buffer    new tokens of a lease, streamed as they are made
     Heartbeat      generator/trainer -> buffer
+    Leaving        generator -> buffer    drained: every lease back, no more grants
     BatchRequest   trainer rank -> buffer
     Batch          buffer -> trainer rank
     VersionAnnounce trainer -> buffer     the newest published weights version (or the
@@ -163,6 +164,20 @@ class Heartbeat(Message):
     """A generator's leases now: granted and not yet finished or aborted (waiting for
     weights, generating, or between an episode's turns). The buffer takes back a lease its
     live holder stops listing (its grant or last chunks were lost). None: not reported."""
+
+
+class Leaving(Message):
+    """A generator leaves the run, drained (its slot goes to another role): it asks for
+    no more leases, and every token it generated was sent in the chunks before this
+    message on the same socket. The buffer takes back every lease it holds at once
+    (``leases_revoked_drained``), each sample first in line with its tokens as the next
+    holder's prefix, grants this process nothing more, and answers with ``LeaseRevoked``
+    naming what it took back (possibly nothing): the generator may then exit."""
+
+    worker_id: str
+    incarnation: str
+    """As ``LeaseRequest.incarnation``: the process that leaves (a later start under the
+    same worker id joins again)."""
 
 
 class BatchRequest(Message):
@@ -329,6 +344,7 @@ ANY_MESSAGE = (
     | LeaseRevoked
     | Chunk
     | Heartbeat
+    | Leaving
     | BatchRequest
     | Batch
     | VersionAnnounce

@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 from asyncrl.launcher.supervise import Supervised, supervise
+from asyncrl.liveness import EXIT_DRAINED
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,6 +54,30 @@ def test_supervisor_restarts_generators_and_stops_the_rest_when_the_trainer_ends
     assert "generator_0 exited with code 3; restart 1" in err
     assert "dying now" in err  # the tail of its log
     assert (tmp_path / "trainer.log").read_text() == "trained\n"
+
+
+def test_a_generator_that_left_drained_is_not_restarted_and_the_run_goes_on(tmp_path, capfd):
+    left = tmp_path / "left"
+    drained = _python(
+        f"import pathlib, sys\npathlib.Path({str(left)!r}).touch()\nsys.exit({EXIT_DRAINED})"
+    )
+    # The trainer ends a while after the generator left: long enough for a restart to show.
+    trainer = _python(
+        f"import pathlib, time\nr, t = pathlib.Path({str(left)!r}), time.monotonic()\n"
+        "while not r.exists() and time.monotonic() - t < 120: time.sleep(0.05)\n"
+        "time.sleep(1.5)"
+    )
+    generator = Supervised("generator_1", drained, tmp_path / "generator_1.log", restartable=True)
+    procs = [
+        Supervised("generator_0", SLEEP, tmp_path / "generator_0.log", restartable=True),
+        generator,
+        Supervised("trainer", trainer, tmp_path / "trainer.log", final=True),
+    ]
+    assert supervise(procs, grace_s=5) == 0
+    assert generator.restarts == 0 and generator.left
+    assert generator.proc.returncode == EXIT_DRAINED
+    err = capfd.readouterr().err
+    assert err.count("generator_1 left the run, drained") == 1 and "restart 1" not in err
 
 
 def test_supervisor_reports_a_death_with_its_log_and_stops_everything(tmp_path, capfd):

@@ -17,9 +17,10 @@ as long as its generation does, minutes if need be; it is taken back (``expire``
                    ``heartbeat_timeout_s`` after its issue: the grant or the last chunks
                    were lost (a buffer that died between journalling and sending them,
                    or chunks queued to the dead process), and the holder will send nothing
+    drained        its holder left the run (``Leaving``), having sent every token it made
 
 The sample then goes first in line to be leased again, with the tokens already assembled
-as the next holder's prefix. A holder that is alive (the last two) is told to abort the
+as the next holder's prefix. A holder that is alive (``gap``, ``no_progress``) is told to abort the
 lease (the buffer process sends ``LeaseRevoked``); tokens that still arrive for it are
 counted as ``tokens_revoked_alive``, the work such revocations waste. The last chunk
 hands the sample to the ``GroupAssembler``.
@@ -36,8 +37,9 @@ from asyncrl.seeds import derive_seed
 from asyncrl.wire import Chunk, Lease, SamplingSpec
 
 HOLDER_SILENT, GAP, NO_PROGRESS = "holder_silent", "gap", "no_progress"
-HOLDER_RESTARTED, NOT_HELD = "holder_restarted", "not_held"
-"""Why ``expire`` takes a lease back; counted as ``leases_revoked_<reason>``."""
+HOLDER_RESTARTED, NOT_HELD, DRAINED = "holder_restarted", "not_held", "drained"
+"""Why a lease is taken back (``expire``, or ``on_leaving``: drained); counted as
+``leases_revoked_<reason>``."""
 REVOKED_ALIVE_KEPT = 1024
 """Leases revoked from a live holder remembered for ``tokens_revoked_alive``: the holder
 stops within a loop turn of being told, so only the latest few can still get chunks."""
@@ -172,6 +174,19 @@ class LeaseTable:
         if leases is not None:
             self.claimed[worker_id] = (frozenset(leases), now)
 
+    def on_leaving(self, worker_id: str) -> list[str]:
+        """``worker_id`` leaves the run, drained: the leases it holds, for ``revoke`` to
+        take back with reason ``drained``; its liveness records are forgotten (its version
+        no longer counts among the generators')."""
+        for records in (self.last_seen, self.worker_versions, self.claimed):
+            records.pop(worker_id, None)
+        groups = self._groups
+        return [
+            lease_id
+            for lease_id, (g, i) in self.active.items()
+            if groups[g].slots[i].worker_id == worker_id
+        ]
+
     def expire(self, now: float) -> dict[str, str]:
         """The leases to take back now, lease id → reason (``holder_silent``, ``gap`` or
         ``no_progress``, as in the module docstring); a lease that keeps getting chunks is
@@ -258,6 +273,8 @@ class LeaseTable:
         self.active[slot.lease_id] = (group_id, index)
         self.progress_at[slot.lease_id] = self.issued_at[slot.lease_id] = now
         st.counts["leases_issued"] += 1
+        if slot.token_ids:  # taken back from an earlier holder: continued from its tokens
+            st.counts["leases_continued"] += 1
         continued = 0 in slot.loss_mask  # an episode with a whole turn and its answer
         if continued:
             st.counts["episodes_continued"] += 1

@@ -3,10 +3,11 @@ Processes and their sockets; Messages).
 
 Sockets it binds (endpoints published in ``RUN_DIR/endpoints/buffer.json``):
 
-    chunks   PULL    Chunk and Heartbeat messages from generators
+    chunks   PULL    Chunk, Heartbeat and Leaving messages from generators
     leases   ROUTER  LeaseRequest from generators, answered with LeaseGrant once it has one;
-                     LeaseRevoked to a live generator whose leases were taken back, and to
-                     one that streams into a lease the buffer no longer has
+                     LeaseRevoked to a live generator whose leases were taken back, to
+                     one that streams into a lease the buffer no longer has, and to one
+                     that left (what it held)
     trainer  ROUTER  BatchRequest from trainer ranks (answered with Batch once the step's
                      batch is complete; the same share again if asked again), VersionAnnounce
                      and CheckpointAnnounce
@@ -69,6 +70,7 @@ from asyncrl.wire import (
     LeaseGrant,
     LeaseRequest,
     LeaseRevoked,
+    Leaving,
     VersionAnnounce,
     WireDecoder,
     encode,
@@ -106,6 +108,8 @@ class BufferServer:
         self.batch_waiting: dict[bytes, BatchRequest] = {}
         self.to_tell: dict[str, set[str]] = {}
         """Generator → leases it holds that the buffer took back, to send in LeaseRevoked."""
+        self.departed: dict[str, str] = {}
+        """Generator → the process (incarnation) that left the run: its requests get nothing."""
         self.stop_event = threading.Event()
         self.journal = Journal(buffer)  # every input to the buffer goes through it
         self.wal: WriteAheadLog | None = None  # set up by recover()
@@ -228,12 +232,30 @@ class BufferServer:
         elif isinstance(msg, Heartbeat):
             self.buffer.leases.on_incarnation(msg.worker_id, msg.incarnation)
             self.buffer.leases.on_heartbeat(msg.worker_id, now, msg.version, msg.leases)
+        elif isinstance(msg, Leaving):
+            self._on_leaving(msg)
         else:
             self._unexpected(msg, "chunks socket")
+
+    def _on_leaving(self, msg: Leaving) -> None:
+        """A drained generator leaves: its leases go back at once (its chunks came first on
+        this socket), a request of its still waiting is dropped, and it is told what was
+        taken back (an empty list too: the answer it waits for before it exits)."""
+        self.departed[msg.worker_id] = msg.incarnation
+        taken = self.journal.leave(msg.worker_id)
+        for identity, req in list(self.lease_waiting.items()):
+            if req.worker_id == msg.worker_id:
+                del self.lease_waiting[identity]
+        self.to_tell.setdefault(msg.worker_id, set()).update(taken)
+        print(
+            f"[buffer] {msg.worker_id} left the run, drained: {len(taken)} leases back", flush=True
+        )
 
     def _on_lease_socket(self, frames, now: float) -> None:
         msg = self._receive(frames, "leases socket", routed=True)
         if isinstance(msg, LeaseRequest):
+            if self.departed.get(msg.worker_id) == msg.incarnation:
+                return  # sent before it left; the process is gone
             self.buffer.leases.on_incarnation(msg.worker_id, msg.incarnation)
             self.lease_waiting[frames[0].bytes] = msg
         else:

@@ -26,6 +26,7 @@ from pathlib import Path
 import msgspec
 
 from asyncrl.buffer.core import RolloutBuffer
+from asyncrl.buffer.leases import DRAINED
 from asyncrl.wire import Chunk, Lease, Sample
 
 
@@ -192,6 +193,16 @@ class Journal:
         lease_ids, reasons = list(expired), list(expired.values())
         self._record(Revoked(lease_ids, reasons))
         return self.buffer.leases.revoke(lease_ids, reasons)
+
+    def leave(self, worker_id: str) -> list[str]:
+        """A generator left, drained: take back every lease it holds (logged as their
+        revocation, so a replay needs no record of who left); returns their ids."""
+        lease_ids = self.buffer.leases.on_leaving(worker_id)
+        if lease_ids:
+            reasons = [DRAINED] * len(lease_ids)
+            self._record(Revoked(lease_ids, reasons))
+            self.buffer.leases.revoke(lease_ids, reasons)
+        return lease_ids
 
     def apply(self, event: AnyEvent) -> None:
         """Replay one logged event."""

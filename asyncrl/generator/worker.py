@@ -6,10 +6,14 @@ as an engine request (prompt plus any prefix an earlier holder generated), steps
 engine, and flushes each lease's new tokens as a ``Chunk`` every ``chunk_tokens`` tokens
 or ``chunk_ms`` milliseconds, whichever comes first. A lease the buffer takes back
 (``LeaseRevoked``: no progress, or a chunk lost) is aborted in the engine and its unsent
-tokens dropped, so its slot goes to new work. It sends heartbeats with its weights
-version, and a background thread receives weight updates from the trainer's PUB socket
-(tensors, or a directory on disk) and hands them to ``stage_weights``, so decoding never
-waits for a transfer. ``engine.backend`` picks the engine: the embedded one in this
+tokens dropped, so its slot goes to new work. Drained (``drain``; SIGUSR1 to the
+process), it leaves the run without losing work: it asks for nothing more, sends every
+token it has, aborts its requests, tells the buffer it is ``Leaving`` (the buffer leases
+its samples again, continued from those tokens) and, once the buffer has answered, exits
+with ``EXIT_DRAINED``, which the launcher does not restart. It sends heartbeats with its
+weights version, and a background thread receives weight updates from the trainer's PUB
+socket (tensors, or a directory on disk) and hands them to ``stage_weights``, so decoding
+never waits for a transfer. ``engine.backend`` picks the engine: the embedded one in this
 process, or ``remote``, inference servers over HTTP (``asyncrl.engine.remote``).
 It measures itself (``GeneratorStats``: tokens/s, idle fraction, step times during weight
 updates against steady ones) into ``RUN_DIR/metrics.jsonl`` and TensorBoard as process
@@ -48,7 +52,7 @@ from asyncrl.episodes.driver import EpisodeDriver
 from asyncrl.generator.stats import GeneratorStats
 from asyncrl.generator.weights import WeightsIntake
 from asyncrl.interfaces import Engine
-from asyncrl.liveness import EXIT_FATAL, AliveMark
+from asyncrl.liveness import EXIT_DRAINED, EXIT_FATAL, AliveMark
 from asyncrl.metrics import MetricsLogger
 from asyncrl.transport import client_socket, read_endpoints, write_endpoints
 from asyncrl.weights.probe import FlipProbe
@@ -59,6 +63,7 @@ from asyncrl.wire import (
     LeaseGrant,
     LeaseRequest,
     LeaseRevoked,
+    Leaving,
     WireDecoder,
     encode,
 )
@@ -83,7 +88,9 @@ class GeneratorWorker:
         self.held: list[Lease] = []  # granted, waiting for weights of their min_version
         self.asked = 0.0  # when the unanswered LeaseRequest went out (0: none is out)
         self.stop_event = threading.Event()
+        self.drain_event = threading.Event()  # set: hand every lease back and stop
         self.tokens_sent = 0
+        self.leases_handed_back: int | None = None  # set once drained
         self.leases_aborted = 0  # taken back by the buffer while this generator held them
         self.requests_refused = 0  # leases the engine could not run (see _submit)
         # This start of the process: after a restart under the same worker id the buffer
@@ -113,6 +120,9 @@ class GeneratorWorker:
         alive = AliveMark()
         try:
             while not self.stop_event.is_set():
+                if self.drain_event.is_set():
+                    self._leave()
+                    break
                 self._ask_for_leases()
                 self._take_leases(block_ms=0 if self._busy() else self._idle_ms())
                 self._start_held()
@@ -141,6 +151,10 @@ class GeneratorWorker:
 
     def stop(self) -> None:
         self.stop_event.set()
+
+    def drain(self) -> None:
+        """Leave the run at the next loop turn, handing every lease back (``_leave``)."""
+        self.drain_event.set()
 
     # ---- leases --------------------------------------------------------------------
     def _busy(self) -> bool:
@@ -222,12 +236,42 @@ class GeneratorWorker:
             return
         self.pending[lease.lease_id] = PendingLease(lease, last_flush=now)
 
-    def _abort(self, lease_ids: list[str]) -> None:
-        """Stop generating for leases the buffer took back; their unsent tokens are dropped
-        (the buffer would drop them too: the next holder continues from what it has)."""
+    def _leave(self) -> None:
+        """Hand every lease back and go. The tokens generated so far are sent first, then
+        ``Leaving`` on the same socket, so the buffer has them all when it takes the
+        leases back: the next holder continues each sample from its last token, with the
+        same seed. A grant on its way is taken back there too (the buffer takes what it
+        had given this process, not what the process names). An episode's turn in progress
+        is done again by the next holder (episodes stream whole turns). Without the
+        buffer's answer within ``heartbeat_timeout_s`` (it is down), the leases come back
+        as a dead holder's would."""
+        self._take_leases(block_ms=0)
+        held = self._lease_ids()
+        self._flush(time.time(), force=True)
+        self._abort(held, counted=False)
+        leaving = Leaving(
+            run_id=self.cfg.run_id, worker_id=self.worker_id, incarnation=self.incarnation
+        )
+        self.push.send(encode(leaving))
+        deadline = time.monotonic() + self.cfg.buffer.heartbeat_timeout_s
+        while time.monotonic() < deadline:
+            if not self.dealer.poll(50):
+                continue
+            msg = self.decoder.try_decode(self.dealer.recv(copy=False).buffer, "leases socket")
+            if isinstance(msg, LeaseRevoked):
+                self.leases_handed_back = len(msg.lease_ids)
+                log.info("drained: %d leases handed back to the buffer", len(msg.lease_ids))
+                return
+        log.warning("drained, but the buffer never answered: it takes the leases back later")
+
+    def _abort(self, lease_ids: list[str], counted: bool = True) -> None:
+        """Stop generating for leases the buffer took back (``counted`` in
+        ``leases_aborted``; not when this process hands them back itself); their unsent
+        tokens are dropped (the buffer would drop them too: the next holder continues from
+        what it has)."""
         taken, waiting = set(lease_ids), len(self.held)
         self.held = [lease for lease in self.held if lease.lease_id not in taken]
-        self.leases_aborted += waiting - len(self.held)
+        aborted = waiting - len(self.held)
         for lease_id in lease_ids:
             running = self.pending.pop(lease_id, None) is not None  # else finished meanwhile
             if running:
@@ -235,7 +279,8 @@ class GeneratorWorker:
             if self.episodes is not None and lease_id in self.episodes:
                 self.episodes.abort(lease_id)  # between turns it holds no request
                 running = True
-            self.leases_aborted += running
+            aborted += running
+        self.leases_aborted += aborted if counted else 0
 
     # ---- decoding ------------------------------------------------------------------
     def _step(self) -> None:
@@ -278,7 +323,12 @@ class GeneratorWorker:
         status = self.engine.status()
         summary = self.stats.summary(status.version)
         self.metrics.write_summary(
-            {"worker_id": self.worker_id, **summary, "engine": status.metrics},
+            {
+                "worker_id": self.worker_id,
+                **summary,
+                "leases_handed_back": self.leases_handed_back,
+                "engine": status.metrics,
+            },
             name=f"generator_{self.worker_id}_summary.json",
         )
         self.metrics.close()
@@ -394,12 +444,15 @@ def main(argv: list[str] | None = None) -> None:
             worker = GeneratorWorker(cfg, args.worker_id, engine)
             signal.signal(signal.SIGTERM, lambda *_: worker.stop())
             signal.signal(signal.SIGINT, lambda *_: worker.stop())
+            signal.signal(signal.SIGUSR1, lambda *_: worker.drain())
             worker.run()
         finally:
             engine.close()  # a remote engine stops the servers it launched
     except ServerFailed as e:  # a restart of this process cannot bring the server back
         log.error("generator %s stops the run: %s", args.worker_id, e)
         raise SystemExit(EXIT_FATAL) from e
+    if worker.drain_event.is_set():
+        raise SystemExit(EXIT_DRAINED)  # it left on purpose: the launcher lets it go
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ under ``launch/local.py``, an ``srun`` step under ``asyncrl.launcher.slurm_job``
 overrides how a step is stopped, and whose tasks write their pid files themselves).
 ``supervise`` polls them:
 
-- a restartable one (a generator) that dies is started again and rejoins;
+- a restartable one (a generator) that dies is started again and rejoins; one that
+  exits with ``EXIT_DRAINED`` left the run on purpose (its leases went back to the
+  buffer) and is not;
 - one in a restart group that dies takes its group down and up again: the buffer alone
   (it restores its saved state and write-ahead log), or all trainer ranks together (one
   dead rank would hang the others in a collective; they resume from the newest
@@ -36,7 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from asyncrl.liveness import ALIVE_FILE_ENV, EXIT_FATAL
+from asyncrl.liveness import ALIVE_FILE_ENV, EXIT_DRAINED, EXIT_FATAL
 
 EXIT_TIME_LIMIT = 124
 """``supervise``'s code when it stopped a run past its hard time limit."""
@@ -89,6 +91,7 @@ class Supervised:
         self.restartable, self.final, self.echo = restartable, final, echo
         self.group, self.max_restarts = group, max_restarts
         self.restarts = 0
+        self.left = False  # exited drained: watched no more, never restarted
         self.proc: subprocess.Popen | None = None
         self.thread: threading.Thread | None = None
         run_dir = log_path.parent.parent
@@ -234,7 +237,11 @@ def supervise(
             return EXIT_TIME_LIMIT
         for p in procs:
             code = poll_or_kill_stalled(p, stall_s)
-            if code is None or (code == 0 and p.final):
+            if code is None or (code == 0 and p.final) or p.left:
+                continue
+            if code == EXIT_DRAINED and p.restartable:
+                p.left = True
+                say(f"{p.name} left the run, drained (its leases went back); not restarted")
                 continue
             if stop is not None and stop.is_set():
                 break  # deaths while stopping are the stop's doing
