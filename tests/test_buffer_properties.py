@@ -1,6 +1,6 @@
 """Property tests of the buffer's logic, driven by a simulated clock, simulated generators
-(which lag behind the trainer's version, die, and send chunks late, twice, or out of
-order) and a simulated trainer of two ranks.
+(which lag behind the trainer's version, die, leave drained and join again, and send
+chunks late, twice, or out of order) and a simulated trainer of two ranks.
 
 Invariants checked after every action: the counters add up (every sample slot created
 is consumed, stale, filtered, failed or in flight); no consumed trajectory is staler
@@ -43,8 +43,10 @@ class Simulation:
     """Generators, a network and a trainer around one buffer, stepped by weighted random
     actions from a seed, with the invariants checked after every action."""
 
-    def __init__(self, eta: int | None, dynamic: bool, seed: int, skip: float = 0.0) -> None:
-        self.eta = eta
+    def __init__(
+        self, eta: int | None, dynamic: bool, seed: int, skip: float = 0.0, elastic: bool = False
+    ) -> None:
+        self.eta, self.elastic = eta, elastic
         cfg = BufferConfig(
             prompts_per_batch=2,
             samples_per_prompt=2,
@@ -69,6 +71,7 @@ class Simulation:
         self.held: dict[str, dict[str, int]] = {g: {} for g in GENERATORS}  # lease -> next seq
         self.network: list[Chunk] = []
         self.consumed: list[tuple[int, list[int]]] = []
+        self.role_changes = 0  # generators drained out or joining again
 
     def run(self, actions: int) -> None:
         table = [
@@ -86,6 +89,8 @@ class Simulation:
             (self.trainer_checkpoint, 2),
             (self.restart_trainer, 1),
         ]
+        if self.elastic:  # generators leave drained and join again, often
+            table += [(self.drain, 4), (self.restart, 3)]
         moves, weights = zip(*table)
         for move in self.rng.choices(moves, weights, k=actions):
             move()
@@ -141,8 +146,31 @@ class Simulation:
         g = self.rng.choice(GENERATORS)
         self.alive[g], self.held[g] = False, {}
 
+    def drain(self) -> None:
+        """A generator leaves, drained: its chunks reach the buffer before its ``Leaving``
+        (one socket), and the buffer takes back every lease it held. ``restart`` is its
+        slot joining again later."""
+        g = self.rng.choice(GENERATORS)
+        if not self.alive[g]:
+            return
+        mine = [c for c in self.network if c.worker_id == g]
+        self.network = [c for c in self.network if c.worker_id != g]
+        for chunk in mine:
+            self.journal.chunk(chunk, self.now)
+            self.scoring.pump(self.buffer, self.journal.reward)
+        self.journal.leave(g)
+        assert not any(s.worker_id == g for s in self._slots_out())
+        self.alive[g], self.held[g] = False, {}
+        self.role_changes += 1
+
+    def _slots_out(self):
+        groups = self.buffer.state.groups
+        return [groups[g].slots[i] for g, i in self.buffer.leases.active.values()]
+
     def restart(self) -> None:
-        self.alive[self.rng.choice(GENERATORS)] = True
+        g = self.rng.choice(GENERATORS)
+        self.role_changes += not self.alive[g]
+        self.alive[g] = True
 
     def restart_buffer(self) -> None:
         """The buffer process dies and comes back from its saved state."""
@@ -235,6 +263,19 @@ def test_buffer_invariants_under_random_schedules(eta, dynamic, seed, skip):
     assert sum(sim.buffer.state.staleness.values()) == c["samples_consumed"]
     event(f"batches served again after a trainer restart: {bool(c['batches_served_again'])}")
     event(f"prompts skipped as uniform: {bool(c['prompts_skipped'])}")
+
+
+@settings(max_examples=30, deadline=None)
+@given(eta=st.sampled_from([0, 2, None]), seed=st.integers(0, 2**32))
+def test_the_books_hold_while_generators_leave_drained_and_join_again(eta, seed):
+    """The same invariants, with generators drained out and joining again many times a
+    run (the elastic placement's moves): nothing lost, nothing consumed twice."""
+    sim = Simulation(eta, dynamic=True, seed=seed, elastic=True)
+    sim.run(1000)
+    assert sim.role_changes >= 10
+    c = sim.buffer.state.counts
+    event(f"drained leases: {'10+' if c['leases_revoked_drained'] >= 10 else '<10'}")
+    event(f"steps consumed: {'10+' if sim.step >= 10 else '<10'}")
 
 
 def _two_prompts(position: int) -> tuple[int, list[int]]:
