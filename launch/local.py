@@ -16,6 +16,8 @@ state and write-ahead log, dead trainer ranks (all of them together) from their 
 while the other processes keep running; a generator whose loop has not turned for
 ``--stall-timeout-s`` is killed and restarted; a process that keeps dying stops the run
 with the tail of its log. The run ends when the trainer ranks finish; Ctrl-C stops everything.
+Generators join and leave while the run goes on: ``echo N > RUN_DIR/control/generators``
+(``asyncrl.launcher.pool``).
 When an output the experiment starts from is missing (its ``prerequisites()``, e.g. the
 SFT policy), the experiment that makes it runs first. ``launch/slurm.py`` runs the same files on a cluster.
 """
@@ -32,6 +34,7 @@ import time
 
 from asyncrl.config import ConfigError, to_dict
 from asyncrl.launcher.devices import local_devices
+from asyncrl.launcher.pool import generator_pool
 from asyncrl.launcher.prepare import Prepared, clear_rendezvous, prepare, stage_chain
 from asyncrl.launcher.supervise import (
     STALL_TIMEOUT_S,
@@ -104,12 +107,14 @@ def run_stage(
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    pool = generator_pool(stage.run_dir, procs)
     code = supervise(
         procs,
         stop=stop,
         before_restart=lambda group: clear_trainer_rendezvous(stage.run_dir, group),
         stall_s=stall_s,
         time_limit_s=stage.cfg.time_limit_s,
+        adjust=pool.adjust if pool is not None else None,
     )
     if stop.is_set():
         print("\n[launch] interrupted; stopped every process", file=sys.stderr)

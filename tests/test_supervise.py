@@ -9,8 +9,10 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
+from asyncrl.launcher.pool import GeneratorPool
 from asyncrl.launcher.supervise import Supervised, supervise
 from asyncrl.liveness import EXIT_DRAINED
 
@@ -107,3 +109,64 @@ def test_a_task_names_itself_in_its_pid_file_then_becomes_the_process(tmp_path):
         check=True,
     ).stdout
     assert (tmp_path / "pids" / "trainer_3.pid").read_text() == out
+
+
+def test_the_pool_starts_and_drains_generators_as_the_control_file_says(tmp_path, capfd):
+    """``RUN_DIR/control/generators`` 2 starts a copy of the first generator under the next
+    id; 1 drains the newest (SIGUSR1), which leaves and is not restarted; a bad value is
+    reported and ignored; the run ends with the trainer as always."""
+    run_dir, seen, done = tmp_path / "run", tmp_path / "seen", tmp_path / "done"
+    seen.mkdir()
+    logs = run_dir / "logs"
+    # A generator: says which worker id it runs as, leaves drained on SIGUSR1.
+    generator = _python(
+        "import pathlib, signal, sys, time\n"
+        f"signal.signal(signal.SIGUSR1, lambda *_: sys.exit({EXIT_DRAINED}))\n"
+        f"pathlib.Path({str(seen)!r}, sys.argv[-1]).touch()\n"
+        "while True: time.sleep(0.05)"
+    ) + ["--worker-id", "g0"]
+    trainer = _python(
+        f"import pathlib, time\nd, t = pathlib.Path({str(done)!r}), time.monotonic()\n"
+        "while not d.exists() and time.monotonic() - t < 120: time.sleep(0.05)"
+    )
+    procs = [
+        Supervised("buffer", SLEEP, logs / "buffer.log"),
+        Supervised("generator_0", generator, logs / "generator_0.log", restartable=True),
+        Supervised("trainer", trainer, logs / "trainer.log", final=True),
+    ]
+    pool = GeneratorPool(run_dir, procs)
+    result = {}
+    thread = threading.Thread(
+        target=lambda: result.setdefault("code", supervise(procs, grace_s=5, adjust=pool.adjust))
+    )
+    thread.start()
+    try:
+        _wait_for(lambda: (seen / "g0").exists(), "generator_0")
+        pool.path.write_text("2\n")
+        _wait_for(lambda: (seen / "g1").exists(), "a second generator")
+        pool.path.write_text("1\n")
+        _wait_for(lambda: procs[-1].left, "the second generator to leave")
+        pool.path.write_text("lots\n")
+        _wait_for(lambda: pool.refused == "lots", "the bad value to be seen")
+    finally:
+        done.touch()
+        thread.join(timeout=60)
+    assert result["code"] == 0
+    names = [p.name for p in procs]
+    assert names == ["buffer", "generator_0", "trainer", "generator_1"]
+    assert procs[3].proc.returncode == EXIT_DRAINED and procs[3].restarts == 0
+    assert not procs[1].left and procs[1].restarts == 0
+    history = (run_dir / "control" / "generators.log").read_text().splitlines()
+    assert [line.split(" ", 1)[1] for line in history] == [
+        "started generator_1 wanted=2",
+        "draining generator_1 wanted=1",
+    ]
+    assert (logs / "generator_1.log").exists()
+    assert "'lots' is not a number of generators" in capfd.readouterr().err
+
+
+def _wait_for(condition, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)

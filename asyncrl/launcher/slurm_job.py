@@ -11,7 +11,9 @@ output) and is supervised like a local process (``asyncrl.launcher.supervise``):
 or stalled generator step is started again, a dead buffer step too (it restores its
 state), a dead trainer step (all its ranks: ``--kill-on-bad-exit``) resumes from the
 newest checkpoint, a death past its budget or of a ``once`` step ends the job with the
-tail of its log, and the job ends once the trainer step exits 0.
+tail of its log, and the job ends once the trainer step exits 0. Generator steps join
+and leave while the job goes on (``RUN_DIR/control/generators``, ``asyncrl.launcher.pool``):
+a new one is another ``srun --exact`` step in the same allocation.
 
 Stopping a step: a SIGTERM to ``srun`` makes it kill its tasks outright, so the tasks get
 their SIGTERM from ``scancel --signal=TERM JOB.STEP`` instead and write their final state
@@ -37,6 +39,7 @@ import threading
 import time
 from pathlib import Path
 
+from asyncrl.launcher.pool import generator_pool
 from asyncrl.launcher.prepare import clear_rendezvous
 from asyncrl.launcher.supervise import (
     Supervised,
@@ -77,6 +80,11 @@ class SlurmStep(Supervised):
     def terminate(self) -> None:
         if not self._scancel("--signal=TERM"):
             self.proc.kill()  # no step yet: srun is still waiting for resources, nothing ran
+
+    def drain(self) -> None:
+        # To the task itself: srun would take a signal as one to pass on or to end by.
+        self.draining = True
+        self._scancel("--signal=USR1")
 
     def kill(self) -> None:
         # SIGKILL at once (a plain scancel sends SIGTERM first and waits), which also ends
@@ -151,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for p in procs:
         say(f"step {p.name}: {shlex.join(p.argv)}")
+    pool = generator_pool(args.run_dir, procs)
     code = supervise(
         procs,
         grace_s=args.grace_s,
@@ -158,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         before_restart=lambda group: clear_trainer_rendezvous(args.run_dir, group),
         stall_s=args.stall_timeout_s,
         time_limit_s=stage_time_limit(args.run_dir),
+        adjust=pool.adjust if pool is not None else None,
     )
     summary = args.run_dir / "summary.json"
     if code == 0:

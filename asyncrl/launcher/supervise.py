@@ -91,6 +91,7 @@ class Supervised:
         self.restartable, self.final, self.echo = restartable, final, echo
         self.group, self.max_restarts = group, max_restarts
         self.restarts = 0
+        self.draining = False  # asked to leave the run (``drain``)
         self.left = False  # exited drained: watched no more, never restarted
         self.proc: subprocess.Popen | None = None
         self.thread: threading.Thread | None = None
@@ -133,6 +134,27 @@ class Supervised:
 
     def kill(self) -> None:
         self.proc.kill()
+
+    def drain(self) -> None:
+        """Ask it to leave the run without losing work (SIGUSR1: a generator hands its
+        leases back to the buffer and exits with ``EXIT_DRAINED``)."""
+        self.draining = True
+        if self.proc is not None and self.poll() is None:
+            self.proc.send_signal(signal.SIGUSR1)
+
+    def copy_as(self, name: str, argv: list[str]) -> Supervised:
+        """Another process like this one, under ``name`` (its own log and pid file)."""
+        return type(self)(
+            name,
+            argv,
+            self.log_path.with_name(f"{name}.log"),
+            env=self.env,
+            restartable=self.restartable,
+            final=self.final,
+            echo=self.echo,
+            group=self.group,
+            max_restarts=self.max_restarts,
+        )
 
     def stalled_s(self) -> float:
         """Seconds since its liveness mark last changed; 0 until its first mark (a model
@@ -212,12 +234,15 @@ def supervise(
     before_restart: Callable[[str], None] | None = None,
     stall_s: float = STALL_TIMEOUT_S,
     time_limit_s: float = 0.0,
+    adjust: Callable[[list[Supervised]], None] | None = None,
 ) -> int:
     """Start ``procs`` and watch them until the final ones have all exited 0 (returns 0),
     something else died (1), ``stop`` was set, e.g. by a signal handler (143), or the run
     went ``HARD_STOP_GRACE_S`` past ``time_limit_s`` (``EXIT_TIME_LIMIT``; 0: no limit).
     ``before_restart(group)`` runs after a restart group is down, before it starts again
-    (``clear_trainer_rendezvous``); ``stall_s``: see ``poll_or_kill_stalled``."""
+    (``clear_trainer_rendezvous``); ``stall_s``: see ``poll_or_kill_stalled``. ``adjust``
+    runs every turn and may start processes and append them to ``procs`` or drain some
+    (``asyncrl.launcher.pool``)."""
     hard_stop = time.monotonic() + time_limit_s + HARD_STOP_GRACE_S if time_limit_s > 0 else None
     for p in procs:
         p.start()
@@ -235,13 +260,15 @@ def supervise(
             )
             stop_all(procs, grace_s)
             return EXIT_TIME_LIMIT
+        if adjust is not None:
+            adjust(procs)
         for p in procs:
             code = poll_or_kill_stalled(p, stall_s)
             if code is None or (code == 0 and p.final) or p.left:
                 continue
-            if code == EXIT_DRAINED and p.restartable:
-                p.left = True
-                say(f"{p.name} left the run, drained (its leases went back); not restarted")
+            if p.restartable and (code == EXIT_DRAINED or p.draining):
+                p.left = True  # asked to leave, or left on its own: not restarted
+                say(f"{p.name} left the run, drained (its leases went back); exit code {code}")
                 continue
             if stop is not None and stop.is_set():
                 break  # deaths while stopping are the stop's doing
