@@ -1,14 +1,16 @@
 """Generators join and leave a running run through the real local launcher: one more is
 started when ``RUN_DIR/control/generators`` asks for two, it takes leases and sends
 tokens, and asking for one again drains it: it hands its leases back and is not
-restarted. The run finishes every step and the buffer's books balance: nothing lost,
-nothing taken back for a dead holder, no token wasted."""
+restarted. The run trains on with the first one until the test stops it, and the buffer's
+books balance: nothing lost, nothing taken back for a dead holder, no token wasted."""
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,9 +19,6 @@ import pytest
 from asyncrl.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-# Long enough for a generator to start (a few seconds to load), work and leave; the tiny
-# model trains ~10 steps a second, so the run is bounded by time, not steps.
-TIME_LIMIT_S = 45
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -32,6 +31,11 @@ def _wait(condition, timeout_s: float, what: str) -> None:
         if time.time() > deadline:
             pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
         time.sleep(0.2)
+
+
+def _read_into(stream, lines: list[str]) -> None:
+    for line in stream:  # one at a time: the test watches them arrive
+        lines.append(line)
 
 
 def _trained(run_dir: Path) -> int:
@@ -53,8 +57,10 @@ def test_a_generator_joins_and_leaves_a_running_run_losing_nothing(tmp_path, tin
         "experiments/tiny_grpo.py",
         f"run_dir={run_dir}",
         f"model.path={tiny_model_dir}",
-        "rl.max_steps=100000",
-        f"time_limit_s={TIME_LIMIT_S}",
+        # Runs until the test stops it (the tiny model trains ~10 steps a second, and a
+        # generator takes seconds to start): the limit only bounds a broken run.
+        "rl.max_steps=1000000",
+        "time_limit_s=600",
         "eval.every_steps=0",
         "task.train_size=200",
         "buffer.prompts_per_batch=2",
@@ -69,20 +75,28 @@ def test_a_generator_joins_and_leaves_a_running_run_losing_nothing(tmp_path, tin
     launcher = subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
+    lines: list[str] = []  # the launcher's output so far
+    reader = threading.Thread(target=_read_into, args=(launcher.stdout, lines), daemon=True)
+    reader.start()
     control = run_dir / "control" / "generators"
     try:
         _wait(lambda: _trained(run_dir) >= 2, 120, "a trained step")
         control.write_text("2\n")
         _wait(lambda: _generated_by(run_dir, "generator_g1") > 0, 120, "g1's first tokens")
         control.write_text("1\n")
-        out, _ = launcher.communicate(timeout=240)
+        _wait(lambda: any("generator_1 left the run" in line for line in lines), 120, "g1 to go")
+        after = _trained(run_dir)
+        _wait(lambda: _trained(run_dir) >= after + 5, 120, "steps after g1 left")
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=120)
     finally:
         launcher.kill()
-    assert launcher.returncode == 0, out[-3000:]
+    reader.join(timeout=30)
+    out = "".join(lines)
+    assert launcher.returncode == 130, out[-3000:]  # stopped by the test, as asked
     assert "generators: started generator_1 (wanted: 2)" in out
     assert "generators: draining generator_1 (wanted: 1)" in out
     assert "generator_1 left the run, drained" in out and "restart" not in out, out[-3000:]
-    steps = json.loads((run_dir / "summary.json").read_text())["steps"]
     left = json.loads((run_dir / "generator_g1_summary.json").read_text())
     assert left["tokens"] > 0 and left["leases_handed_back"] is not None
     c = json.loads((run_dir / "buffer_counters.json").read_text())
@@ -90,7 +104,6 @@ def test_a_generator_joins_and_leaves_a_running_run_losing_nothing(tmp_path, tin
         c.get(f"buffer/samples_{k}", 0) for k in ("consumed", "stale", "filtered", "failed")
     )
     assert c["buffer/samples_created"] == ended + c["buffer/in_flight_samples"], c
-    assert c["buffer/samples_consumed"] == steps * 2 * 4
     assert c.get("buffer/leases_revoked_drained", 0) == left["leases_handed_back"]
     assert c.get("buffer/leases_revoked_holder_silent", 0) == 0
     assert c["buffer/tokens_revoked_alive"] == 0
