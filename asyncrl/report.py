@@ -290,9 +290,28 @@ def report(run_dir: str | Path, minutes: list[float]) -> dict[str, Any]:
         **length_figures(steps),
         **mismatch_figures(steps),
         **buffer_figures(counters),
+        "elastic": elastic_figures(records),
         "generators": gens,
     }
     return _rounded(figures)
+
+
+def elastic_figures(records: list[dict]) -> dict[str, Any] | None:
+    """An elastic run's allocations (``placement=elastic``): seconds spent at each
+    generator count, from the controller's checks, and its moves (None for other runs)."""
+    checks = [r for r in records if r["process"] == "controller"]
+    if not checks:
+        return None
+    seconds: dict[str, float] = {}
+    for this, following in zip(checks, checks[1:]):
+        count = str(int(this["elastic/generators"]))
+        seconds[count] = seconds.get(count, 0.0) + following["time"] - this["time"]
+    moves = [
+        {"at_s": r["time"], "delta": int(r["elastic/move"]), "generators": r["elastic/generators"]}
+        for r in checks
+        if "elastic/move" in r
+    ]
+    return {"seconds_at_generators": seconds, "moves": moves}
 
 
 def _rounded(value: Any) -> Any:

@@ -34,7 +34,7 @@ import time
 
 from asyncrl.config import ConfigError, to_dict
 from asyncrl.launcher.devices import local_devices
-from asyncrl.launcher.pool import generator_pool
+from asyncrl.launcher.elastic import run_adjuster
 from asyncrl.launcher.prepare import Prepared, clear_rendezvous, prepare, stage_chain
 from asyncrl.launcher.supervise import (
     STALL_TIMEOUT_S,
@@ -107,14 +107,14 @@ def run_stage(
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    pool = generator_pool(stage.run_dir, procs)
+    adjust = run_adjuster(stage.run_dir, procs)  # generators joining and leaving
     code = supervise(
         procs,
         stop=stop,
         before_restart=lambda group: clear_trainer_rendezvous(stage.run_dir, group),
         stall_s=stall_s,
         time_limit_s=stage.cfg.time_limit_s,
-        adjust=pool.adjust if pool is not None else None,
+        adjust=adjust,
     )
     if stop.is_set():
         print("\n[launch] interrupted; stopped every process", file=sys.stderr)

@@ -173,7 +173,10 @@ def report(bad: list[Import]) -> str:
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
     (name, frozenset(members.split()))
     for name, members in (
-        ("foundations", "wire security seeds metrics report background balance config liveness"),
+        (
+            "foundations",
+            "wire security seeds metrics report background balance config liveness elastic",
+        ),
         ("transport", "transport process_groups"),
         ("models and data", "models logprobs chat_tokenizers shapes random_models tasks"),
         ("engines", "engine interfaces serving"),

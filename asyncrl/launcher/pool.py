@@ -20,6 +20,7 @@ appended to ``RUN_DIR/control/generators.log`` with its time.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -58,6 +59,13 @@ class GeneratorPool:
             self.refused = text
             say(f"{self.path}: {text!r} is not a number of generators (1 or more); ignored")
         return None
+
+    def want(self, count: int, why: str) -> None:
+        """Ask for ``count`` generators, as a write of the control file by hand does."""
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(f"{count}\n")
+        os.replace(tmp, self.path)  # whole: the next read never sees half a number
+        self._record(f"want {count}: {why}", count)
 
     def adjust(self, procs: list[Supervised]) -> None:
         """Start or drain generators until the live ones number what is wanted. ``procs``

@@ -39,7 +39,7 @@ import threading
 import time
 from pathlib import Path
 
-from asyncrl.launcher.pool import generator_pool
+from asyncrl.launcher.elastic import run_adjuster
 from asyncrl.launcher.prepare import clear_rendezvous
 from asyncrl.launcher.supervise import (
     Supervised,
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for p in procs:
         say(f"step {p.name}: {shlex.join(p.argv)}")
-    pool = generator_pool(args.run_dir, procs)
+    adjust = run_adjuster(args.run_dir, procs)  # generators joining and leaving
     code = supervise(
         procs,
         grace_s=args.grace_s,
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         before_restart=lambda group: clear_trainer_rendezvous(args.run_dir, group),
         stall_s=args.stall_timeout_s,
         time_limit_s=stage_time_limit(args.run_dir),
-        adjust=pool.adjust if pool is not None else None,
+        adjust=adjust,
     )
     summary = args.run_dir / "summary.json"
     if code == 0:

@@ -17,6 +17,7 @@ from typing import ClassVar, Literal
 from asyncrl.buffer.config import BufferConfig, RolloutConfig
 from asyncrl.buffer.rewards import RewardConfig
 from asyncrl.config import ConfigError, save_json
+from asyncrl.elastic import ElasticConfig
 from asyncrl.engine.config import EngineConfig
 from asyncrl.engine.fit import fit_context
 from asyncrl.engine.leases import SamplingConfig
@@ -49,11 +50,15 @@ class RLExperiment:
     the time to a target need not spend the rest of the budget."""
     num_generators: int = 1
     """Generator processes."""
-    placement: Literal["async", "colocated"] = "async"
+    placement: Literal["async", "colocated", "elastic"] = "async"
     """``async``: buffer, generator and trainer processes (docs/architecture.md, Processes
     and their sockets). ``colocated``: one trainer process alternates generation and
     training on the cores the async placement would use, on-policy (``buffer.max_staleness``
-    becomes 0): the synchronous hybrid-engine baseline, through the same RL step."""
+    becomes 0): the synchronous hybrid-engine baseline, through the same RL step.
+    ``elastic``: ``async``, starting with ``num_generators``, and the launcher adds or
+    drains generators while the run goes on as ``elastic`` decides."""
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    """How ``placement=elastic`` moves generators (``asyncrl.elastic``)."""
     init_from_experiment: str = ""
     """Experiment file whose run writes ``model.path``; the launcher runs it first when
     that directory is missing (e.g. SFT before RL)."""
@@ -118,6 +123,14 @@ class RLExperiment:
             # Imports the user's reward modules now, so a bad one fails before any process.
             check_rewards(self.task)
             check_environment(self.task)
+            if self.placement == "elastic":
+                self.elastic.check(self.num_generators)
+                if self.engine.plan().attached:
+                    raise ValueError(
+                        "placement=elastic starts generators that launch their own servers; "
+                        "servers attached by engine.remote.urls cannot be added to: leave "
+                        "the urls empty or use placement=async"
+                    )
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if self.rl.loss.kl_in_reward and self.rl.algorithm != "ppo":

@@ -1,0 +1,140 @@
+"""The elastic placement's controller: one generator more when the trainer waits for
+data, one fewer when training is the bottleneck and batches pile up; never two moves
+within a dwell; a move that does not raise trained tokens/s is undone and not tried
+again for a while. Then the launcher's loop around it: it reads a run's metrics as they
+are written and asks the pool for the count the controller wants, logging each check."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import ConfigError, apply_overrides, load_experiment
+from asyncrl.elastic import Controller, ElasticConfig, Signals
+from asyncrl.launcher import elastic as elastic_loop
+from asyncrl.launcher.elastic import ElasticLoop
+from asyncrl.launcher.pool import GeneratorPool
+from asyncrl.launcher.supervise import Supervised
+from asyncrl.metrics import MetricsConfig, read_metrics
+from asyncrl.report import elastic_figures
+
+CFG = ElasticConfig(min_generators=1, max_generators=3, dwell_s=60.0, window_s=30.0)
+WAITING = dict(trainer_idle=0.5, ready_batches=0.0)  # the trainer starves
+RUNNING_AHEAD = dict(trainer_idle=0.0, ready_batches=4.0)  # batches pile up
+
+
+def test_a_starved_trainer_gets_one_generator_more_per_dwell_while_it_pays():
+    c = Controller(CFG)
+    first = c.decide(0.0, Signals(1, trained_tokens_per_s=100.0, **WAITING))
+    assert first is not None and first.delta == 1 and "trainer idle 50%" in first.reason
+    assert c.decide(59.0, Signals(2, trained_tokens_per_s=150.0, **WAITING)) is None  # dwell
+    again = c.decide(60.0, Signals(2, trained_tokens_per_s=150.0, **WAITING))  # +50%: kept
+    assert again is not None and again.delta == 1
+    assert c.decide(200.0, Signals(3, trained_tokens_per_s=200.0, **WAITING)) is None  # at max
+
+
+def test_a_move_that_does_not_pay_is_undone_and_not_retried_for_a_while():
+    c = Controller(CFG)
+    assert c.decide(0.0, Signals(1, trained_tokens_per_s=100.0, **WAITING)).delta == 1
+    undo = c.decide(60.0, Signals(2, trained_tokens_per_s=102.0, **WAITING))  # +2%
+    assert undo is not None and undo.delta == -1 and undo.reason.startswith("undo +1")
+    # Still starved, but +1 did not pay: not tried for retry_dwells dwells.
+    for t in (120.0, 180.0, 239.0):
+        assert c.decide(t, Signals(1, trained_tokens_per_s=100.0, **WAITING)) is None
+    assert c.decide(240.0, Signals(1, trained_tokens_per_s=100.0, **WAITING)).delta == 1
+
+
+def test_training_as_the_bottleneck_gives_a_generator_back_down_to_the_minimum():
+    c = Controller(CFG)
+    down = c.decide(0.0, Signals(2, trained_tokens_per_s=100.0, **RUNNING_AHEAD))
+    assert down is not None and down.delta == -1 and "4.0 batches ready" in down.reason
+    kept = c.decide(60.0, Signals(1, trained_tokens_per_s=120.0, **RUNNING_AHEAD))
+    assert kept is None  # judged (+20%: kept), and one generator is the minimum
+    between = dict(trainer_idle=0.1, ready_batches=4.0)  # neither threshold crossed
+    assert c.decide(500.0, Signals(2, trained_tokens_per_s=120.0, **between)) is None
+
+
+def test_signals_that_swing_across_both_thresholds_move_at_most_once_a_dwell():
+    c, moves = Controller(CFG), []
+    for second in range(0, 3600, 2):
+        swing = WAITING if second // 10 % 2 else RUNNING_AHEAD
+        move = c.decide(float(second), Signals(2, trained_tokens_per_s=100.0, **swing))
+        if move is not None:
+            moves.append(second)
+    assert moves and all(b - a >= CFG.dwell_s for a, b in zip(moves, moves[1:]))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["num_generators=5"], "num_generators=5 is where an elastic run starts"),
+        (["elastic.min_generators=0"], "elastic.min_generators=0 must be at least 1"),
+        (["elastic.window_s=90"], "elastic.window_s=90 must be above 0 and at most"),
+        (["elastic.trainer_idle_low=0.5"], "elastic.trainer_idle_low=0.5 must be below"),
+    ],
+)
+def test_an_elastic_setting_that_cannot_work_is_refused_before_any_process(
+    tmp_path, overrides, message
+):
+    cfg = load_experiment(Path(__file__).resolve().parents[1] / "experiments" / "tiny_grpo.py")
+    cfg = apply_overrides(cfg, ["placement=elastic", f"run_dir={tmp_path}", *overrides])
+    with pytest.raises(ConfigError, match=message):
+        cfg.finalize()
+
+
+def _trainer_steps(path, steps: int, wait_s: float) -> None:
+    with open(path, "a") as f:
+        for i in range(steps):
+            record = {"process": "trainer", "step": i, "time": 0.0, "train/step_s": 0.1}
+            record.update({"train/wait_for_batch_s": wait_s, "train/tokens": 500.0})
+            f.write(json.dumps(record) + "\n")
+
+
+def test_the_loop_reads_the_run_and_asks_the_pool_for_the_controller_s_count(tmp_path, monkeypatch):
+    logs = tmp_path / "logs"
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)", "--worker-id", "g0"]
+    procs = [Supervised("generator_0", sleeper, logs / "generator_0.log", restartable=True)]
+    pool = GeneratorPool(tmp_path, procs)
+    metrics = MetricsConfig(tensorboard=False, progress_bar=False)
+    loop = ElasticLoop(tmp_path, replace(CFG, window_s=1.0), 2, pool, metrics)
+    clock = [loop.last_check]
+    monkeypatch.setattr(elastic_loop.time, "monotonic", lambda: clock[0])
+    _trainer_steps(tmp_path / "metrics.jsonl", steps=20, wait_s=0.2)  # idle 67%
+    try:
+        clock[0] += elastic_loop.CHECK_S
+        loop.adjust(procs)  # the first steps read: a window of training not seen yet
+        assert not pool.path.exists()
+        clock[0] += elastic_loop.CHECK_S
+        _trainer_steps(tmp_path / "metrics.jsonl", steps=20, wait_s=0.2)
+        loop.adjust(procs)
+        assert pool.path.read_text() == "2\n" and [p.name for p in procs][-1] == "generator_1"
+    finally:
+        for p in procs:
+            if p.proc is not None:
+                p.kill()
+                p.proc.wait()
+    [check] = [r for r in read_metrics(tmp_path) if r["process"] == "controller"]
+    assert check["elastic/move"] == 1 and check["elastic/generators"] == 2
+    assert check["elastic/trainer_idle"] == pytest.approx(2 / 3)
+    history = (tmp_path / "control" / "generators.log").read_text()
+    assert "want 2: elastic: trainer idle 67% > 25%" in history
+
+
+def test_the_run_report_gives_the_time_at_each_generator_count_and_the_moves():
+    checks = [
+        {"process": "controller", "time": t, "elastic/generators": g}
+        for t, g in ((10.0, 1), (12.0, 2), (14.0, 2), (20.0, 1), (22.0, 1))
+    ]
+    checks[1]["elastic/move"], checks[3]["elastic/move"] = 1.0, -1.0
+    assert elastic_figures([{"process": "trainer", "time": 1.0}, *checks]) == {
+        "seconds_at_generators": {"1": 4.0, "2": 8.0},
+        "moves": [
+            {"at_s": 12.0, "delta": 1, "generators": 2},
+            {"at_s": 20.0, "delta": -1, "generators": 1},
+        ],
+    }
+    assert elastic_figures([{"process": "trainer", "time": 1.0}]) is None
