@@ -15,9 +15,10 @@ The rule, one move at a time:
   (``backlog_batches`` or more): generation runs ahead, so one generator fewer, and its
   cores or accelerator go back to the rest of the run;
 - nothing moves within ``dwell_s`` of the last move. Then the move is judged on what the
-  run is for: if trained tokens/s did not rise by ``min_gain`` (a generator more that
-  only took cores from the trainer; one fewer that starved it), the move is undone, and
-  that direction is not tried again for ``retry_dwells`` dwells.
+  run is for, trained tokens/s: a generator more must have raised them by ``min_gain``
+  (else it only took cores from the trainer); one fewer must not have lowered them by as
+  much (it was to free resources, not to speed training up). A move that fails is undone,
+  and its direction is not tried again for ``retry_dwells`` dwells.
 
 The gap between the two idle thresholds, the dwell and the undo rule keep it from
 thrashing: at most one move per dwell, and a move that does not pay is not repeated
@@ -51,7 +52,8 @@ class ElasticConfig:
     backlog_batches: float = 2.0
     """Ready batches waiting in the buffer that count as generation running ahead."""
     min_gain: float = 0.05
-    """A move whose trained tokens/s rose by less than this share is undone."""
+    """A generator more is undone unless trained tokens/s rose by this share; one fewer
+    is undone if they fell by as much."""
     retry_dwells: int = 3
     """Dwells before a direction that was undone is tried again."""
 
@@ -115,12 +117,12 @@ class Controller:
             move, before = self.judging
             self.judging = None
             gain = s.trained_tokens_per_s / before - 1 if before > 0 else 0.0
-            if gain < cfg.min_gain:
+            if gain < (cfg.min_gain if move.delta > 0 else -cfg.min_gain):
                 self.blocked_until[move.delta] = now + cfg.retry_dwells * cfg.dwell_s
                 undo = Move(
                     -move.delta,
                     f"undo {move.delta:+d}: trained tokens/s {before:.0f} -> "
-                    f"{s.trained_tokens_per_s:.0f} ({gain:+.0%}, less than {cfg.min_gain:+.0%})",
+                    f"{s.trained_tokens_per_s:.0f} ({gain:+.0%})",
                 )
                 return self._made(undo, now, judge=None)
         move = self._wanted(s)

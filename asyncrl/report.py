@@ -305,7 +305,8 @@ def elastic_figures(records: list[dict]) -> dict[str, Any] | None:
     seconds: dict[str, float] = {}
     for this, following in zip(checks, checks[1:]):
         count = str(int(this["elastic/generators"]))
-        seconds[count] = seconds.get(count, 0.0) + following["time"] - this["time"]
+        # A relaunch on the run directory starts the controller's clock again.
+        seconds[count] = seconds.get(count, 0.0) + max(0.0, following["time"] - this["time"])
     moves = [
         {"at_s": r["time"], "delta": int(r["elastic/move"]), "generators": r["elastic/generators"]}
         for r in checks

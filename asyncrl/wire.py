@@ -112,6 +112,8 @@ class LeaseRevoked(Message):
 
     worker_id: str
     lease_ids: list[str]
+    left: bool = False
+    """The answer to the worker's ``Leaving``: all it held, taken back; it may exit."""
 
 
 class EpisodeFigures(msgspec.Struct, kw_only=True):
@@ -172,7 +174,7 @@ class Leaving(Message):
     message on the same socket. The buffer takes back every lease it holds at once
     (``leases_revoked_drained``), each sample first in line with its tokens as the next
     holder's prefix, grants this process nothing more, and answers with ``LeaseRevoked``
-    naming what it took back (possibly nothing): the generator may then exit."""
+    (``left``) naming what it took back, possibly nothing: the generator may then exit."""
 
     worker_id: str
     incarnation: str

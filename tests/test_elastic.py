@@ -58,6 +58,17 @@ def test_training_as_the_bottleneck_gives_a_generator_back_down_to_the_minimum()
     assert c.decide(500.0, Signals(2, trained_tokens_per_s=120.0, **between)) is None
 
 
+def test_a_generator_given_back_is_kept_unless_training_slowed():
+    """One fewer generator is to free resources: kept at the same trained tokens/s (a -1
+    judged as a +1 would be undone and tried again forever), undone when they fell."""
+    c = Controller(CFG)
+    assert c.decide(0.0, Signals(3, trained_tokens_per_s=100.0, **RUNNING_AHEAD)).delta == -1
+    kept = c.decide(60.0, Signals(2, trained_tokens_per_s=98.0, **RUNNING_AHEAD))
+    assert kept is not None and kept.delta == -1  # judged (-2%: kept), and still ahead
+    undo = c.decide(120.0, Signals(1, trained_tokens_per_s=80.0, **RUNNING_AHEAD))
+    assert undo is not None and undo.delta == 1 and undo.reason.startswith("undo -1")
+
+
 def test_signals_that_swing_across_both_thresholds_move_at_most_once_a_dwell():
     c, moves = Controller(CFG), []
     for second in range(0, 3600, 2):

@@ -246,7 +246,12 @@ class BufferServer:
         for identity, req in list(self.lease_waiting.items()):
             if req.worker_id == msg.worker_id:
                 del self.lease_waiting[identity]
-        self.to_tell.setdefault(msg.worker_id, set()).update(taken)
+        if self.wal is not None:
+            self.wal.flush()  # logged first: a restart never hands back what it answered for
+        answer = LeaseRevoked(
+            run_id=self.cfg.run_id, worker_id=msg.worker_id, lease_ids=sorted(taken), left=True
+        )
+        self.leases.send_multipart([msg.worker_id.encode(), encode(answer)])
         print(
             f"[buffer] {msg.worker_id} left the run, drained: {len(taken)} leases back", flush=True
         )

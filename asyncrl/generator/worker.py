@@ -258,7 +258,7 @@ class GeneratorWorker:
             if not self.dealer.poll(50):
                 continue
             msg = self.decoder.try_decode(self.dealer.recv(copy=False).buffer, "leases socket")
-            if isinstance(msg, LeaseRevoked):
+            if isinstance(msg, LeaseRevoked) and msg.left:  # not an earlier revocation
                 self.leases_handed_back = len(msg.lease_ids)
                 log.info("drained: %d leases handed back to the buffer", len(msg.lease_ids))
                 return

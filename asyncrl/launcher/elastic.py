@@ -26,7 +26,7 @@ from pathlib import Path
 from asyncrl.config import from_dict
 from asyncrl.elastic import Controller, ElasticConfig, Signals
 from asyncrl.launcher.pool import GeneratorPool, generator_pool
-from asyncrl.launcher.supervise import Supervised
+from asyncrl.launcher.supervise import Supervised, say
 from asyncrl.metrics import MetricsConfig, MetricsLogger
 
 CHECK_S = 2.0
@@ -61,13 +61,18 @@ class ElasticLoop:
         now = time.monotonic()
         if now - self.last_check >= CHECK_S:
             self.last_check = now
-            self._check(now, len(self.pool.live(procs)))
+            try:
+                self._check(now, len(self.pool.live(procs)))
+            except (OSError, ValueError, KeyError) as e:  # the run goes on as it is
+                say(f"elastic: no decision this time ({type(e).__name__}: {e})")
         self.pool.adjust(procs)
 
     def _check(self, now: float, generators: int) -> None:
         self._read(now)
         if self.training_since is None or now - self.training_since < self.cfg.window_s:
             return  # a window of training not seen yet (start-up is no steady state)
+        if not self.steps:
+            return  # no step in the window (a long one, a restart): nothing to judge by
         s = self._signals(now, generators)
         move = self.controller.decide(now, s)
         scalars = {
@@ -77,8 +82,11 @@ class ElasticLoop:
             "elastic/trained_tokens_per_s": s.trained_tokens_per_s,
         }
         if move is not None:
-            scalars["elastic/move"] = float(move.delta)
-            self.pool.want(generators + move.delta, f"elastic: {move.reason}")
+            cfg, want = self.cfg, generators + move.delta
+            want = max(cfg.min_generators, min(cfg.max_generators, want))
+            scalars["elastic/move"] = float(want - generators)
+            scalars["elastic/generators"] = float(want)
+            self.pool.want(want, f"elastic: {move.reason}")
         self.checks += 1
         self.log.log(self.checks, scalars)
 
@@ -93,7 +101,10 @@ class ElasticLoop:
         end = data.rfind(b"\n") + 1
         self.offset += end
         for line in data[:end].splitlines():
-            record = json.loads(line)
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line torn by a writer on another node: one record less
             if "train/step_s" in record:
                 self.training_since = self.training_since or now
                 self.steps.append(

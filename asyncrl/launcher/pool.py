@@ -13,9 +13,12 @@ pool converges on it:
   buffer hands its leases to the others, and it exits with ``EXIT_DRAINED``, which the
   supervisor does not restart.
 
-A value that is not a whole number of at least 1 is reported once and ignored (a run
-without generators would wait forever). Each change is said on the launcher's output and
-appended to ``RUN_DIR/control/generators.log`` with its time.
+A value that is not a whole number of at least 1 is reported once and ignored, and when
+the last generator has left (SIGUSR1 by hand) another is started: a run without
+generators would wait forever. Each change is said on the launcher's output and appended
+to ``RUN_DIR/control/generators.log`` with its time. A copy runs with the first
+generator's environment and placement: on a GPU machine its devices, on Slurm its node
+(a step that does not fit waits for CPUs the job has free).
 """
 
 from __future__ import annotations
@@ -71,6 +74,8 @@ class GeneratorPool:
         """Start or drain generators until the live ones number what is wanted. ``procs``
         gains the new ones (the supervisor watches them from its next turn)."""
         want, live = self.wanted(), self.live(procs)
+        if want is None and not live:
+            want = 1  # the last one left (SIGUSR1 by hand): without one the run cannot go on
         if want is None or want == len(live):
             return
         for _ in range(want - len(live)):
@@ -90,8 +95,10 @@ class GeneratorPool:
         for i, word in enumerate(argv):
             if word == old_id and i > 0 and argv[i - 1] == "--worker-id":
                 argv[i] = f"g{k}"
-            else:
-                argv[i] = word.replace(old_name, name)  # e.g. a Slurm step's --job-name
+            # A Slurm step's --job-name=NAME and its task's pid file .../NAME.pid.
+            for old, new in ((old_name, name), (f"{old_name}.pid", f"{name}.pid")):
+                if word == old or word.endswith(("=" + old, "/" + old)):
+                    argv[i] = word[: len(word) - len(old)] + new
         return self.template.copy_as(name, argv)
 
     def _record(self, what: str, want: int) -> None:

@@ -84,7 +84,8 @@ class SlurmStep(Supervised):
     def drain(self) -> None:
         # To the task itself: srun would take a signal as one to pass on or to end by.
         self.draining = True
-        self._scancel("--signal=USR1")
+        if not self._scancel("--signal=USR1"):
+            self.proc.kill()  # no step yet: srun is still waiting for resources, nothing ran
 
     def kill(self) -> None:
         # SIGKILL at once (a plain scancel sends SIGTERM first and waits), which also ends
