@@ -176,9 +176,9 @@ def test_a_drained_generator_s_samples_are_continued_elsewhere_with_tokens_uncha
     assert counts["leases_continued"] >= 1  # g1 took at least one sample mid-way
     assert counts["leases_reissued"] == counts["leases_revoked_drained"]  # no other reason
     assert counts.get("tokens_revoked_alive", 0) == 0 and g0.leases_aborted == 0
-    assert g0.engine.generated == g0.tokens_sent > 0
+    assert g0.engine.generated == g0.outbox.tokens_sent > 0
     assert g0.engine.generated + g1.engine.generated == sum(map(len, tokens.values()))
-    assert g1.leases_handed_back is None and not g0.pending and not g0.held
+    assert g1.leases_handed_back is None and not g0.pending and not g0.desk.held
 
 
 def test_sigusr1_drains_a_generator_process_which_exits_drained(tmp_path, tiny_model_dir):

@@ -15,6 +15,7 @@ from asyncrl.buffer.scoring import InlineScoring
 from asyncrl.config import ConfigError, apply_overrides, load_experiment
 from asyncrl.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from asyncrl.engine.fit import fit_context, prompt_sizes
+from asyncrl.generator.buffer_link import Outbox
 from asyncrl.generator.worker import GeneratorWorker
 from asyncrl.wire import Chunk, Lease, SamplingSpec, WireDecoder
 
@@ -63,10 +64,11 @@ def test_the_generator_fails_a_request_its_engine_refuses(tiny_model_dir):
     fails in the buffer) instead of crashing the generator into a restart loop."""
     engine = EmbeddedEngine(tiny_model_dir, EmbeddedEngineConfig(max_slots=2, max_seq_len=8))
     worker = GeneratorWorker.__new__(GeneratorWorker)
-    worker.engine, worker.push, worker.pending = engine, _Push(), {}
-    worker.requests_refused, worker.tokens_sent, worker.worker_id = 0, 0, "g0"
+    worker.engine, worker.pending = engine, {}
+    worker.requests_refused, worker.worker_id = 0, "g0"
     worker.episodes = None
     worker.cfg = replace(_rl_config(tiny_model_dir).rollout(), run_id="run")
+    worker.outbox = Outbox(worker.cfg, "g0", _Push())
     lease = Lease(
         run_id="run",
         lease_id="L1",
@@ -78,7 +80,7 @@ def test_the_generator_fails_a_request_its_engine_refuses(tiny_model_dir):
     )
     worker._submit(lease, 0.0)
     assert worker.requests_refused == 1 and not worker.pending
-    chunk = WireDecoder("run").decode(worker.push.sent[0])
+    chunk = WireDecoder("run").decode(worker.outbox.push.sent[0])
     assert isinstance(chunk, Chunk) and chunk.finished and chunk.finish_reason == "error"
     engine.close()
 

@@ -432,12 +432,12 @@ def test_a_generator_holds_a_lease_until_weights_of_its_min_version_are_in(tmp_p
     once version 1 is staged, flipping it in with a step of its idle engine."""
     engine = _WeightsLateEngine()
     with _generating(_config(tmp_path), engine, version=1) as (server, worker):  # η = 0
-        _wait(lambda: len(worker.held) == 2, 30, "two leases granted and held")
+        _wait(lambda: len(worker.desk.held) == 2, 30, "two leases granted and held")
         time.sleep(0.5)
-        assert engine.submitted == [] and len(worker.held) == 2
+        assert engine.submitted == [] and len(worker.desk.held) == 2
         engine.staged = 1
         _wait(lambda: len(server.buffer.state.ready) == 2, 60, "both samples to complete")
-    assert worker.held == []
+    assert worker.desk.held == []
     assert engine.versions_at_submit == [1, 1]
     for group in server.buffer.state.groups.values():
         assert group.slots[0].versions == [1] * 6

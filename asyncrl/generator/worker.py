@@ -24,9 +24,9 @@ at exit.
 
 Why one file: the generator process is one loop (leases in, engine steps, chunks out) and
 the weights thread that feeds it; ``make_engine`` and ``main`` are its entry. Its parts with
-a life of their own are elsewhere already: the engines, the lease bridge
-(``asyncrl.engine.leases``), the weight intake (``asyncrl.generator.weights``) and the
-measurements (``asyncrl.generator.stats``).
+a life of their own are elsewhere: the engines, the lease bridge (``asyncrl.engine.leases``),
+the two sockets to the buffer (``asyncrl.generator.buffer_link``), the weight intake
+(``asyncrl.generator.weights``) and the measurements (``asyncrl.generator.stats``).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from asyncrl.engine.fit import fit_context
 from asyncrl.engine.leases import PendingLease, lease_request, record_tokens
 from asyncrl.engine.remote import RemoteEngine
 from asyncrl.episodes.driver import EpisodeDriver
+from asyncrl.generator.buffer_link import LeaseDesk, Outbox
 from asyncrl.generator.stats import GeneratorStats
 from asyncrl.generator.weights import WeightsIntake
 from asyncrl.interfaces import Engine
@@ -56,17 +57,7 @@ from asyncrl.liveness import EXIT_DRAINED, EXIT_FATAL, AliveMark
 from asyncrl.metrics import MetricsLogger
 from asyncrl.transport import client_socket, read_endpoints, write_endpoints
 from asyncrl.weights.probe import FlipProbe
-from asyncrl.wire import (
-    Chunk,
-    Heartbeat,
-    Lease,
-    LeaseGrant,
-    LeaseRequest,
-    LeaseRevoked,
-    Leaving,
-    WireDecoder,
-    encode,
-)
+from asyncrl.wire import Heartbeat, Lease, Leaving
 
 log = logging.getLogger(__name__)
 
@@ -78,24 +69,22 @@ class GeneratorWorker:
         endpoints = read_endpoints(cfg.run_dir, "buffer")
         if endpoints is None:
             raise TimeoutError(f"the buffer never published its endpoints in {cfg.run_dir}")
-        t = cfg.transport
-        self.push = client_socket(self.ctx, zmq.PUSH, t, cfg.run_dir)
-        self.push.connect(endpoints["chunks"])
-        self.dealer = client_socket(self.ctx, zmq.DEALER, t, cfg.run_dir, identity=worker_id)
-        self.dealer.connect(endpoints["leases"])
-        self.decoder = WireDecoder(cfg.run_id)
-        self.pending: dict[str, PendingLease] = {}
-        self.held: list[Lease] = []  # granted, waiting for weights of their min_version
-        self.asked = 0.0  # when the unanswered LeaseRequest went out (0: none is out)
-        self.stop_event = threading.Event()
-        self.drain_event = threading.Event()  # set: hand every lease back and stop
-        self.tokens_sent = 0
-        self.leases_handed_back: int | None = None  # set once drained
-        self.leases_aborted = 0  # taken back by the buffer while this generator held them
-        self.requests_refused = 0  # leases the engine could not run (see _submit)
         # This start of the process: after a restart under the same worker id the buffer
         # re-issues what the dead process held at once, not after a progress timeout.
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"
+        t = cfg.transport
+        push = client_socket(self.ctx, zmq.PUSH, t, cfg.run_dir)
+        push.connect(endpoints["chunks"])
+        self.outbox = Outbox(cfg, worker_id, push)
+        dealer = client_socket(self.ctx, zmq.DEALER, t, cfg.run_dir, identity=worker_id)
+        dealer.connect(endpoints["leases"])
+        self.desk = LeaseDesk(cfg, worker_id, self.incarnation, dealer)
+        self.pending: dict[str, PendingLease] = {}
+        self.stop_event = threading.Event()
+        self.drain_event = threading.Event()  # set: hand every lease back and stop
+        self.leases_handed_back: int | None = None  # set once drained
+        self.leases_aborted = 0  # taken back by the buffer while this generator held them
+        self.requests_refused = 0  # leases the engine could not run (see _submit)
         self.stats = GeneratorStats()
         self.metrics = MetricsLogger(cfg.run_dir, f"generator_{worker_id}", cfg.metrics)
         self.episodes: EpisodeDriver | None = None
@@ -132,7 +121,7 @@ class GeneratorWorker:
                 if stepped:
                     self._step()
                 now = time.time()
-                self._flush(now, force=False)
+                self.outbox.flush(self.pending.values(), now, force=False)
                 alive.touch(now)
                 turn_start = self._end_turn(turn_start, stepped)
                 if now - last_beat >= self.cfg.transport.heartbeat_s:
@@ -166,59 +155,37 @@ class GeneratorWorker:
     def _idle_ms(self) -> int:
         # An environment at work answers soon: its next turn should not wait for a poll;
         # nor should leases held for weights that are on their way.
-        soon = self.held or (self.episodes is not None and self.episodes.between_turns())
+        soon = self.desk.held or (self.episodes is not None and self.episodes.between_turns())
         return 2 if soon else 50
 
     def _ask_for_leases(self) -> None:
         status = self.engine.status()
-        free = status.free_slots - status.waiting - len(self.held)
+        free = status.free_slots - status.waiting - len(self.desk.held)
         if self.episodes is not None:  # their next turns will need the slots
             free -= self.episodes.between_turns()
-        # Asked again after a while without an answer: a buffer that died and restarted
-        # never saw the request (a repeat only replaces the first one there).
-        again = self.asked and time.monotonic() - self.asked > 5 * self.cfg.transport.heartbeat_s
-        if free > 0 and (not self.asked or again):
-            req = LeaseRequest(
-                run_id=self.cfg.run_id,
-                worker_id=self.worker_id,
-                capacity=free,
-                incarnation=self.incarnation,
-            )
-            self.dealer.send(encode(req))
-            self.asked = time.monotonic()
+        self.desk.ask(free)
 
     def _take_leases(self, block_ms: int) -> None:
-        """Handle what the buffer sent on the leases socket: grants, and revocations."""
-        while self.dealer.poll(block_ms):
-            block_ms = 0
-            msg = self.decoder.try_decode(self.dealer.recv(copy=False).buffer, "leases socket")
-            if isinstance(msg, LeaseRevoked):
-                self._abort(msg.lease_ids)
-                continue
-            self.asked = 0.0  # answered (a bad frame too: it was likely the grant)
-            if isinstance(msg, LeaseGrant):
-                self.held.extend(msg.leases)
-            elif msg is not None:
-                self.decoder.count("unexpected", f"{type(msg).__name__} on the leases socket")
+        """Take the buffer's grants (held until started) and abort what it took back."""
+        revoked = self.desk.receive(block_ms)
+        if revoked:
+            self._abort(revoked)
 
     def _start_held(self) -> None:
         """Start the leases granted so far whose ``min_version`` the engine's weights meet.
         The others wait for newer weights: at η = 0 a grant for the next version often
         arrives before its weights, and a sample begun under the old ones would only be
         dropped as stale."""
-        if not self.held:
+        if not self.desk.held:
             return
         status = self.engine.status()
-        behind = any(lease.min_version > status.version for lease in self.held)
+        behind = any(lease.min_version > status.version for lease in self.desk.held)
         if behind and status.staged_version >= 0 and status.running + status.waiting == 0:
             self._step()  # an idle engine flips staged weights only in a step
             status = self.engine.status()
-        now, held, self.held = time.time(), self.held, []
-        for lease in held:
-            if lease.min_version <= status.version:
-                self._submit(lease, now)
-            else:
-                self.held.append(lease)
+        now = time.time()
+        for lease in self.desk.ready(status.version):
+            self._submit(lease, now)
 
     def _submit(self, lease: Lease, now: float) -> None:
         if self.episodes is not None:
@@ -232,7 +199,7 @@ class GeneratorWorker:
             # the buffer (counted in buffer/groups_failed), instead of crashing this process.
             self.requests_refused += 1
             log.warning("lease %s refused by the engine: %s", lease.lease_id, e)
-            self._send(PendingLease(lease), now, finished=True, reason="error")
+            self.outbox.chunk(PendingLease(lease), now, finished=True, reason="error")
             return
         self.pending[lease.lease_id] = PendingLease(lease, last_flush=now)
 
@@ -247,31 +214,25 @@ class GeneratorWorker:
         as a dead holder's would."""
         self._take_leases(block_ms=0)
         held = self._lease_ids()
-        self._flush(time.time(), force=True)
+        self.outbox.flush(self.pending.values(), time.time(), force=True)
         self._abort(held, counted=False)
         leaving = Leaving(
             run_id=self.cfg.run_id, worker_id=self.worker_id, incarnation=self.incarnation
         )
-        self.push.send(encode(leaving))
-        deadline = time.monotonic() + self.cfg.buffer.heartbeat_timeout_s
-        while time.monotonic() < deadline:
-            if not self.dealer.poll(50):
-                continue
-            msg = self.decoder.try_decode(self.dealer.recv(copy=False).buffer, "leases socket")
-            if isinstance(msg, LeaseRevoked) and msg.left:  # not an earlier revocation
-                self.leases_handed_back = len(msg.lease_ids)
-                log.info("drained: %d leases handed back to the buffer", len(msg.lease_ids))
-                return
-        log.warning("drained, but the buffer never answered: it takes the leases back later")
+        self.outbox.send(leaving)
+        taken = self.desk.await_left(self.cfg.buffer.heartbeat_timeout_s)
+        if taken is None:
+            log.warning("drained, but the buffer never answered: it takes the leases back later")
+            return
+        self.leases_handed_back = len(taken)
+        log.info("drained: %d leases handed back to the buffer", len(taken))
 
     def _abort(self, lease_ids: list[str], counted: bool = True) -> None:
         """Stop generating for leases the buffer took back (``counted`` in
         ``leases_aborted``; not when this process hands them back itself); their unsent
         tokens are dropped (the buffer would drop them too: the next holder continues from
         what it has)."""
-        taken, waiting = set(lease_ids), len(self.held)
-        self.held = [lease for lease in self.held if lease.lease_id not in taken]
-        aborted = waiting - len(self.held)
+        aborted = self.desk.drop(set(lease_ids))
         for lease_id in lease_ids:
             running = self.pending.pop(lease_id, None) is not None  # else finished meanwhile
             if running:
@@ -339,44 +300,18 @@ class GeneratorWorker:
             if p.whole_turns:
                 self.episodes.turn_finished(p, reason)
             else:
-                self._send(p, now, finished=True, reason=reason)
-
-    def _flush(self, now: float, force: bool) -> None:
-        t = self.cfg.transport
-        for p in self.pending.values():
-            due = len(p.token_ids) >= t.chunk_tokens or (now - p.last_flush) * 1000 >= t.chunk_ms
-            if p.token_ids and (due or force) and not p.whole_turns:
-                self._send(p, now, finished=False, reason=None)
+                self.outbox.chunk(p, now, finished=True, reason=reason)
 
     def _send_now(self, p: PendingLease, finished: bool, reason: str | None) -> None:
-        self._send(p, time.time(), finished, reason)
-
-    def _send(self, p: PendingLease, now: float, finished: bool, reason: str | None) -> None:
-        chunk = Chunk(
-            run_id=self.cfg.run_id,
-            worker_id=self.worker_id,
-            lease_id=p.lease.lease_id,
-            seq=p.seq,
-            token_ids=p.token_ids,
-            logprobs=p.logprobs,
-            versions=p.versions,
-            finished=finished,
-            finish_reason=reason,
-            loss_mask=p.loss_mask,
-            reward=p.reward if finished else None,
-            episode=p.episode if finished else None,
-        )
-        self.push.send(encode(chunk))
-        self.tokens_sent += len(p.token_ids)
-        p.seq, p.last_flush = p.seq + 1, now
-        p.token_ids, p.logprobs, p.versions, p.loss_mask = [], [], [], []
+        self.outbox.chunk(p, time.time(), finished, reason)
 
     def _heartbeat(self) -> None:
         # Grants that came during a long step are taken first: the buffer takes back a
         # lease the list leaves out.
         self._take_leases(block_ms=0)
         status = self.engine.status()
-        bad = sum(self.decoder.errors.values()) + sum(self.weights.decoder.errors.values())
+        decoders = (self.desk.decoder, self.weights.decoder)
+        bad = sum(sum(d.errors.values()) for d in decoders)
         beat = Heartbeat(
             run_id=self.cfg.run_id,
             worker_id=self.worker_id,
@@ -386,18 +321,18 @@ class GeneratorWorker:
             incarnation=self.incarnation,
             leases=self._lease_ids(),
             counters={
-                "tokens_sent": float(self.tokens_sent),
+                "tokens_sent": float(self.outbox.tokens_sent),
                 "bad_frames": float(bad),
                 "leases_aborted": float(self.leases_aborted),
                 "requests_refused": float(self.requests_refused),
                 "weights_anchors_asked": float(self.weights.anchors_asked),
             },
         )
-        self.push.send(encode(beat))
+        self.outbox.send(beat)
 
     def _lease_ids(self) -> list[str]:
         """Every lease this process holds: waiting for weights, generating, or an episode's."""
-        ids = {lease.lease_id for lease in self.held} | self.pending.keys()
+        ids = {lease.lease_id for lease in self.desk.held} | self.pending.keys()
         if self.episodes is not None:
             ids |= self.episodes.lease_ids()
         return sorted(ids)
