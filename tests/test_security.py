@@ -351,7 +351,18 @@ def test_a_message_over_the_size_limit_is_refused_and_the_buffer_keeps_serving(
 
 # ---- no pickle ---------------------------------------------------------------------------
 UNPICKLING_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "marshal", "shelve"}
-UNPICKLING_CALLS = {"recv_pyobj", "send_pyobj", "recv_serialized"}
+UNPICKLING_CALLS = {
+    "recv_pyobj",
+    "send_pyobj",
+    "recv_serialized",
+    # torch.distributed's object collectives pickle between ranks (over gloo's sockets).
+    "broadcast_object_list",
+    "all_gather_object",
+    "gather_object",
+    "scatter_object_list",
+    "send_object_list",
+    "recv_object_list",
+}
 LOCAL_TORCH_LOADS = {"trainer/checkpoint.py"}
 """The one ``torch.load``: the trainer's own checkpoint files on local disk."""
 

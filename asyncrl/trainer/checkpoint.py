@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from asyncrl.models import hf_config, load_tokenizer, model_class
 from asyncrl.trainer.core import TrainerCore, barrier
+from asyncrl.trainer.dist import broadcast_json
 
 T = TypeVar("T")
 
@@ -128,12 +129,11 @@ def verify_checkpoint(path: str | Path) -> bool:
 
 def _on_rank0(fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)`` computed on rank 0 and broadcast, so every rank gets the same answer
-    (or the same ``CheckpointError``) while only one rank reads and hashes the files."""
+    (or the same ``CheckpointError``) while only one rank reads and hashes the files.
+    ``fn`` returns JSON types (it crosses to the other ranks as JSON)."""
     many = dist.is_initialized() and dist.get_world_size() > 1
     if many and dist.get_rank() != 0:
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0)
-        ok, value = box[0]
+        ok, value = broadcast_json(None)
         if not ok:
             raise CheckpointError(value)
         return value
@@ -141,10 +141,10 @@ def _on_rank0(fn: Callable[..., T], *args: Any) -> T:
         value = fn(*args)
     except Exception as err:
         if many:  # the other ranks are waiting on the broadcast: give them the error
-            dist.broadcast_object_list([(False, f"rank 0: {err}")], src=0)
+            broadcast_json([False, f"rank 0: {err}"])
         raise
     if many:
-        dist.broadcast_object_list([(True, value)], src=0)
+        broadcast_json([True, value])
     return value
 
 

@@ -11,7 +11,9 @@ import ctypes
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -93,3 +95,23 @@ def all_reduce_max(value: int | float, device: torch.device) -> int | float:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
+
+
+def broadcast_json(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (the others pass anything, e.g. None). It travels
+    as JSON bytes in a tensor, never pickled (``broadcast_object_list`` would unpickle on
+    the receiving ranks whatever arrived), so it must be made of JSON types."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":  # NCCL moves only device tensors
+        device = torch.device("cuda", torch.cuda.current_device())
+    data = msgspec.json.encode(value) if dist.get_rank() == 0 else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=0)
+    if dist.get_rank() == 0:
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    else:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(payload, src=0)
+    return msgspec.json.decode(payload.cpu().numpy().tobytes())
