@@ -301,14 +301,19 @@ def test_checkpoint_from_before_manifests_loads_unverified(
 
 def _two_rank_worker(model_dir: str, ckpt_root: str, rendezvous: str, out: str) -> None:
     """One rank of the test below: both ranks must pick the same checkpoint and both must
-    raise on the damaged one (rank 0 hashes; rank 1 hears the verdict)."""
-    import torch.distributed as dist
-
-    from asyncrl.trainer.core import barrier
+    raise on the damaged one (rank 0 hashes; rank 1 hears the verdict). The work is done
+    in its own call, as a stage's is, so the rank's model is garbage at shutdown."""
     from asyncrl.trainer.dist import init_distributed, shutdown_distributed
 
     torch.set_num_threads(1)
     info = init_distributed("cpu", rendezvous)
+    Path(f"{out}.{info.rank}").write_text(json.dumps(_agree(model_dir, ckpt_root, info)))
+    shutdown_distributed()
+
+
+def _agree(model_dir: str, ckpt_root: str, info) -> list:
+    from asyncrl.trainer.core import barrier
+
     core = _core(model_dir, info)
     for step in (1, 2):
         core.step = step
@@ -324,8 +329,7 @@ def _two_rank_worker(model_dir: str, ckpt_root: str, rendezvous: str, out: str) 
         error = ""
     except CheckpointError as err:
         error = str(err)
-    Path(f"{out}.{dist.get_rank()}").write_text(json.dumps([picked.name, stage, error]))
-    shutdown_distributed()
+    return [picked.name, stage, error]
 
 
 def test_two_ranks_agree_on_the_checkpoint(tiny_model_dir, tmp_path):

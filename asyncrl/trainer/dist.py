@@ -8,6 +8,7 @@ directory, so no port is ever hard-coded. gloo on CPU, NCCL on CUDA.
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +79,10 @@ def shutdown_distributed() -> None:
         # Without the barrier a fast rank can tear the group down under a slow one.
         dist.barrier()
         dist.destroy_process_group()
+    # What still holds the group (a sharded model's hooks and its collectives' work, in
+    # reference cycles) is freed now, while the interpreter is whole: freed during its
+    # finalization, gloo's threads would reach for a GIL that is gone and abort the process.
+    gc.collect()
 
 
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
