@@ -9,6 +9,7 @@ door: CURVE, key files, bind addresses, message limits, pickle.
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import stat
@@ -106,6 +107,14 @@ def take_lease(dealer: zmq.Socket, worker_id: str = "g0") -> str:
     return grant.leases[0].lease_id
 
 
+def offer(sock: zmq.Socket, frame: bytes) -> None:
+    """Send without blocking. A stranger's socket may have no pipe to send into (its
+    handshake refused before the send): a blocking send would wait there for ever, and a
+    message it could not even queue was not delivered either."""
+    with contextlib.suppress(zmq.Again):
+        sock.send(frame, zmq.NOBLOCK)
+
+
 # ---- the issue's acceptance test -----------------------------------------------------
 def test_client_without_the_right_curve_keys_cannot_deliver_a_chunk_to_a_protected_buffer(
     tmp_path, tiny_model_dir, monkeypatch
@@ -153,8 +162,9 @@ def test_client_without_the_right_curve_keys_cannot_deliver_a_chunk_to_a_protect
                 arm(s_push)
             s_dealer.connect(running.endpoints["leases"])
             s_push.connect(running.endpoints["chunks"])
-            s_dealer.send(encode(LeaseRequest(run_id=RUN, worker_id=name, capacity=1)))
-            s_push.send(chunk(lease_id, 1, [7]))
+            request = encode(LeaseRequest(run_id=RUN, worker_id=name, capacity=1))
+            offer(s_dealer, request)
+            offer(s_push, chunk(lease_id, 1, [7]))
             strangers.append((name, s_dealer))
         time.sleep(2.0)
         for name, s_dealer in strangers:
