@@ -10,15 +10,20 @@ system) can drive the same code.
 The rule, one move at a time:
 
 - the trainer waits for batches (its idle share above ``trainer_idle_high``): generation
-  is the bottleneck, so one more generator;
+  is the bottleneck, so one generator more, or up to ``max_step`` more toward the split
+  where generation would keep the trainer busy (``balanced``);
 - the trainer is busy (idle below ``trainer_idle_low``) while ready batches pile up
   (``backlog_batches`` or more): generation runs ahead, so one generator fewer, and its
   cores or accelerator go back to the rest of the run;
 - nothing moves within ``dwell_s`` of the last move. Then the move is judged on what the
-  run is for, trained tokens/s: a generator more must have raised them by ``min_gain``
-  (else it only took cores from the trainer); one fewer must not have lowered them by as
-  much (it was to free resources, not to speed training up). A move that fails is undone,
-  and its direction is not tried again for ``retry_dwells`` dwells.
+  run is for, trained tokens/s, against what they would have been without it: their
+  level before the move carried on along their trend over the dwell before it (the
+  workload drifts while a move runs: responses grow, dynamic sampling drops more groups
+  as accuracy rises). A generator more must have raised them by ``min_gain`` (else it
+  only took cores or slots from the trainer); one fewer must not have lowered them by as
+  much (it was to free resources, not to speed training up). A move that fails is
+  undone, and its direction is not tried again for ``retry_dwells`` dwells. No move is
+  made before that trend is known: a window of signals after the last move's window.
 
 The gap between the two idle thresholds, the dwell and the undo rule keep it from
 thrashing: at most one move per dwell, and a move that does not pay is not repeated
@@ -27,6 +32,8 @@ at once.
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -52,10 +59,14 @@ class ElasticConfig:
     backlog_batches: float = 2.0
     """Ready batches waiting in the buffer that count as generation running ahead."""
     min_gain: float = 0.05
-    """A generator more is undone unless trained tokens/s rose by this share; one fewer
-    is undone if they fell by as much."""
+    """A generator more is undone unless trained tokens/s rose by this share over their
+    trend; one fewer is undone if they fell by as much."""
     retry_dwells: int = 3
     """Dwells before a direction that was undone is tried again."""
+    max_step: int = 1
+    """Most generators one move adds. Above 1, a move goes toward the split where
+    generation would keep the trainer busy (estimated from its idle share; see
+    ``balanced``): on a cluster of many slots, one slot a dwell reaches it too late."""
 
     def check(self, generators: int) -> None:
         """Refuse settings that cannot work (``ValueError`` naming the keys)."""
@@ -75,6 +86,8 @@ class ElasticConfig:
                 f"elastic.window_s={self.window_s:g} must be above 0 and at most "
                 f"elastic.dwell_s={self.dwell_s:g}: a move is judged on a window after it"
             )
+        if self.max_step < 1:
+            raise ValueError(f"elastic.max_step={self.max_step} must be at least 1")
         if not 0 <= self.trainer_idle_low < self.trainer_idle_high <= 1:
             raise ValueError(
                 f"elastic.trainer_idle_low={self.trainer_idle_low:g} must be below "
@@ -93,11 +106,57 @@ class Signals(NamedTuple):
     """Complete batches waiting in the buffer."""
     trained_tokens_per_s: float
     """Tokens trained per second of run time."""
+    trainer_slots: int = 0
+    """Slots the trainer holds, where generators and trainer share one pool of slots (a
+    generator more is a trainer slot fewer); 0 where the trainer's size stays as it is."""
+
+
+class StepRecord(NamedTuple):
+    """One trainer step as the signals count it."""
+
+    seconds: float
+    """Its wall time from asking for its batch to its end (waiting included)."""
+    waited: float
+    """Seconds of it spent waiting for the batch."""
+    tokens: float
+    """Tokens it trained."""
+
+
+def signals(
+    generators: int, steps: Sequence[StepRecord], ready_batches: float, trainer_slots: int = 0
+) -> Signals:
+    """The signals of the trainer steps of a window. Trained tokens/s are over the steps'
+    own time, not the window's: a window holds a whole number of steps, and dividing by
+    its length would swing by a step's tokens with where the window starts. Time between
+    steps (a trainer restarting after a move, a checkpoint) counts in neither."""
+    wall = sum(s.seconds for s in steps)
+    if wall <= 0:
+        return Signals(generators, 0.0, ready_batches, 0.0, trainer_slots)
+    return Signals(
+        generators=generators,
+        trainer_idle=sum(s.waited for s in steps) / wall,
+        ready_batches=ready_batches,
+        trained_tokens_per_s=sum(s.tokens for s in steps) / wall,
+        trainer_slots=trainer_slots,
+    )
+
+
+def balanced(s: Signals) -> float:
+    """The generator count at which generation would keep the trainer just busy, if
+    generation scales with its generators and training with the trainer's slots: the
+    trainer now works ``1 - idle`` of the time, so generation must grow by ``1/(1 -
+    idle)`` against training; where the two share ``trainer_slots + generators`` slots,
+    training shrinks as generation grows."""
+    busy = max(1.0 - s.trainer_idle, 1e-3)
+    if s.trainer_slots <= 0:
+        return s.generators / busy
+    ratio = s.generators / (s.trainer_slots * busy)
+    return (s.generators + s.trainer_slots) * ratio / (1 + ratio)
 
 
 class Move(NamedTuple):
     delta: int
-    """+1: one generator more; -1: one fewer."""
+    """Generators more (+) or fewer (-)."""
     reason: str
 
 
@@ -105,35 +164,69 @@ class Controller:
     def __init__(self, cfg: ElasticConfig) -> None:
         self.cfg = cfg
         self.last_move_at = float("-inf")
-        self.judging: tuple[Move, float] | None = None  # the last move, tokens/s before it
+        # The move being judged: it, trained tokens/s before it, their trend, when made.
+        self.judging: tuple[Move, float, float, float] | None = None
         self.blocked_until = {1: float("-inf"), -1: float("-inf")}
+        self.seen: deque[tuple[float, float]] = deque()  # (time, trained tokens/s)
 
     def decide(self, now: float, s: Signals) -> Move | None:
         """The move to make now, or None."""
         cfg = self.cfg
+        self.seen.append((now, s.trained_tokens_per_s))
+        while self.seen[0][0] < now - cfg.dwell_s:
+            self.seen.popleft()
         if now - self.last_move_at < cfg.dwell_s:
             return None
         if self.judging is not None:
-            move, before = self.judging
-            self.judging = None
-            gain = s.trained_tokens_per_s / before - 1 if before > 0 else 0.0
-            if gain < (cfg.min_gain if move.delta > 0 else -cfg.min_gain):
-                self.blocked_until[move.delta] = now + cfg.retry_dwells * cfg.dwell_s
-                undo = Move(
-                    -move.delta,
-                    f"undo {move.delta:+d}: trained tokens/s {before:.0f} -> "
-                    f"{s.trained_tokens_per_s:.0f} ({gain:+.0%})",
-                )
-                return self._made(undo, now, judge=None)
+            undo = self._judged(now, s)
+            if undo is not None:
+                return self._made(undo, now, judge=False)
         move = self._wanted(s)
-        if move is None or now < self.blocked_until[move.delta]:
+        if move is None or now < self.blocked_until[1 if move.delta > 0 else -1]:
             return None
-        return self._made(move, now, judge=s.trained_tokens_per_s)
+        if self._trend() is None:
+            return None  # a move is judged against the trend before it: none is known yet
+        return self._made(move, now, judge=True)
+
+    def _judged(self, now: float, s: Signals) -> Move | None:
+        """The undo of the move being judged, if it did not pay. Trained tokens/s are
+        compared with what they would be without it: their level before the move carried
+        on along their trend then, since the workload drifts (longer responses, more
+        groups dropped) while the move runs."""
+        cfg, (move, before, trend, at) = self.cfg, self.judging
+        self.judging = None
+        expected = before + trend * (now - at)
+        if expected <= 0:
+            return None
+        gain = s.trained_tokens_per_s / expected - 1
+        if gain >= (cfg.min_gain if move.delta > 0 else -cfg.min_gain):
+            return None
+        self.blocked_until[1 if move.delta > 0 else -1] = now + cfg.retry_dwells * cfg.dwell_s
+        return Move(
+            -move.delta,
+            f"undo {move.delta:+d}: trained tokens/s {s.trained_tokens_per_s:.0f}, "
+            f"{gain:+.0%} against {expected:.0f} expected without it",
+        )
+
+    def _trend(self) -> float | None:
+        """Trained tokens/s per second (least squares) over the last dwell, counting only
+        what was seen a window after the previous move (its transition left out); None
+        until that spans a window."""
+        cfg = self.cfg
+        points = [(t, v) for t, v in self.seen if t >= self.last_move_at + cfg.window_s]
+        if len(points) < 2 or points[-1][0] - points[0][0] < cfg.window_s:
+            return None
+        mt = sum(t for t, _ in points) / len(points)
+        mv = sum(v for _, v in points) / len(points)
+        var = sum((t - mt) ** 2 for t, _ in points)
+        return sum((t - mt) * (v - mv) for t, v in points) / var
 
     def _wanted(self, s: Signals) -> Move | None:
         cfg = self.cfg
         if s.trainer_idle > cfg.trainer_idle_high and s.generators < cfg.max_generators:
-            return Move(1, f"trainer idle {s.trainer_idle:.0%} > {cfg.trainer_idle_high:.0%}")
+            room = cfg.max_generators - s.generators
+            step = min(cfg.max_step, room, max(1, round(balanced(s)) - s.generators))
+            return Move(step, f"trainer idle {s.trainer_idle:.0%} > {cfg.trainer_idle_high:.0%}")
         busy = s.trainer_idle < cfg.trainer_idle_low
         if busy and s.ready_batches >= cfg.backlog_batches and s.generators > cfg.min_generators:
             return Move(
@@ -143,7 +236,10 @@ class Controller:
             )
         return None
 
-    def _made(self, move: Move, now: float, judge: float | None) -> Move:
+    def _made(self, move: Move, now: float, judge: bool) -> Move:
+        """Record ``move`` made at ``now``; it is judged a dwell later unless an undo."""
+        if judge:
+            before = self.seen[-1][1]
+            self.judging = (move, before, self._trend(), now)
         self.last_move_at = now
-        self.judging = (move, judge) if judge is not None else None
         return move

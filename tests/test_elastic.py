@@ -1,8 +1,9 @@
-"""The elastic placement's controller: one generator more when the trainer waits for
-data, one fewer when training is the bottleneck and batches pile up; never two moves
-within a dwell; a move that does not raise trained tokens/s is undone and not tried
-again for a while. Then the launcher's loop around it: it reads a run's metrics as they
-are written and asks the pool for the count the controller wants, logging each check."""
+"""The elastic placement's controller: one generator more (or several, toward a balanced
+split) when the trainer waits for data, one fewer when training is the bottleneck and
+batches pile up; never two moves within a dwell; a move that does not raise trained
+tokens/s over their trend is undone and not tried again for a while. Then the launcher's
+loop around it: it reads a run's metrics as they are written and asks the pool for the
+count the controller wants, logging each check."""
 
 from __future__ import annotations
 
@@ -14,7 +15,14 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import ConfigError, apply_overrides, load_experiment
-from asyncrl.elastic import Controller, ElasticConfig, Signals
+from asyncrl.elastic import (
+    Controller,
+    ElasticConfig,
+    Signals,
+    StepRecord,
+    balanced,
+    signals,
+)
 from asyncrl.launcher import elastic as elastic_loop
 from asyncrl.launcher.elastic import ElasticLoop
 from asyncrl.launcher.pool import GeneratorPool
@@ -27,56 +35,98 @@ WAITING = dict(trainer_idle=0.5, ready_batches=0.0)  # the trainer starves
 RUNNING_AHEAD = dict(trainer_idle=0.0, ready_batches=4.0)  # batches pile up
 
 
+def feed(c: Controller, start: float, end: float, s, every: float = 5.0) -> list:
+    """Ask ``c`` every ``every`` seconds from ``start`` to ``end`` (inclusive), as the
+    launcher's loop does, with signals ``s`` (or ``s(t)``); the moves it made, timed."""
+    moves, t = [], start
+    while t <= end:
+        move = c.decide(t, s(t) if callable(s) else s)
+        if move is not None:
+            moves.append((t, move))
+        t += every
+    return moves
+
+
 def test_a_starved_trainer_gets_one_generator_more_per_dwell_while_it_pays():
     c = Controller(CFG)
-    first = c.decide(0.0, Signals(1, trained_tokens_per_s=100.0, **WAITING))
-    assert first is not None and first.delta == 1 and "trainer idle 50%" in first.reason
-    assert c.decide(59.0, Signals(2, trained_tokens_per_s=150.0, **WAITING)) is None  # dwell
-    again = c.decide(60.0, Signals(2, trained_tokens_per_s=150.0, **WAITING))  # +50%: kept
-    assert again is not None and again.delta == 1
-    assert c.decide(200.0, Signals(3, trained_tokens_per_s=200.0, **WAITING)) is None  # at max
+    # No move before the trained tokens/s have a trend over a window to judge it against.
+    [(at, first)] = feed(c, 0, 30, Signals(1, trained_tokens_per_s=100.0, **WAITING))
+    assert at == 30 and first.delta == 1 and "trainer idle 50%" in first.reason
+    [(at, again)] = feed(c, 35, 90, Signals(2, trained_tokens_per_s=150.0, **WAITING))
+    assert at == 90 and again.delta == 1  # a dwell later, +50%: kept, and one more
+    assert feed(c, 95, 400, Signals(3, trained_tokens_per_s=200.0, **WAITING)) == []  # at max
 
 
 def test_a_move_that_does_not_pay_is_undone_and_not_retried_for_a_while():
     c = Controller(CFG)
-    assert c.decide(0.0, Signals(1, trained_tokens_per_s=100.0, **WAITING)).delta == 1
-    undo = c.decide(60.0, Signals(2, trained_tokens_per_s=102.0, **WAITING))  # +2%
-    assert undo is not None and undo.delta == -1 and undo.reason.startswith("undo +1")
+    [(_, first)] = feed(c, 0, 30, Signals(1, trained_tokens_per_s=100.0, **WAITING))
+    [(at, undo)] = feed(c, 35, 90, Signals(2, trained_tokens_per_s=102.0, **WAITING))  # +2%
+    assert at == 90 and undo.delta == -1 and undo.reason.startswith("undo +1")
     # Still starved, but +1 did not pay: not tried for retry_dwells dwells.
-    for t in (120.0, 180.0, 239.0):
-        assert c.decide(t, Signals(1, trained_tokens_per_s=100.0, **WAITING)) is None
-    assert c.decide(240.0, Signals(1, trained_tokens_per_s=100.0, **WAITING)).delta == 1
+    [(at, retry)] = feed(c, 95, 300, Signals(1, trained_tokens_per_s=100.0, **WAITING))
+    assert at == 90 + CFG.retry_dwells * CFG.dwell_s and retry.delta == 1
+
+
+def test_a_move_is_judged_against_the_trend_before_it():
+    """Trained tokens/s that fall as the workload drifts (more groups dropped, longer
+    responses): a generator more that holds them level has paid, one that lets them fall
+    faster than before has not."""
+    falling = lambda t: Signals(1, trained_tokens_per_s=100.0 - 0.5 * t, **WAITING)  # noqa: E731
+    c = Controller(CFG)
+    [(at, first)] = feed(c, 0, 30, falling)  # at 85, falling 0.5 per second
+    assert feed(c, 35, 90, Signals(2, trained_tokens_per_s=85.0, **WAITING))[0][1].delta == 1
+    c = Controller(CFG)
+    feed(c, 0, 30, falling)
+    [(_, undo)] = feed(c, 35, 90, Signals(2, trained_tokens_per_s=53.0, **WAITING))
+    assert undo.delta == -1 and "against 55 expected" in undo.reason  # 85 - 0.5 * 60
 
 
 def test_training_as_the_bottleneck_gives_a_generator_back_down_to_the_minimum():
     c = Controller(CFG)
-    down = c.decide(0.0, Signals(2, trained_tokens_per_s=100.0, **RUNNING_AHEAD))
-    assert down is not None and down.delta == -1 and "4.0 batches ready" in down.reason
-    kept = c.decide(60.0, Signals(1, trained_tokens_per_s=120.0, **RUNNING_AHEAD))
-    assert kept is None  # judged (+20%: kept), and one generator is the minimum
+    [(_, down)] = feed(c, 0, 30, Signals(2, trained_tokens_per_s=100.0, **RUNNING_AHEAD))
+    assert down.delta == -1 and "4.0 batches ready" in down.reason
+    # Judged (+20%: kept), and one generator is the minimum.
+    assert feed(c, 35, 200, Signals(1, trained_tokens_per_s=120.0, **RUNNING_AHEAD)) == []
     between = dict(trainer_idle=0.1, ready_batches=4.0)  # neither threshold crossed
-    assert c.decide(500.0, Signals(2, trained_tokens_per_s=120.0, **between)) is None
+    assert feed(c, 205, 600, Signals(2, trained_tokens_per_s=120.0, **between)) == []
 
 
 def test_a_generator_given_back_is_kept_unless_training_slowed():
     """One fewer generator is to free resources: kept at the same trained tokens/s (a -1
     judged as a +1 would be undone and tried again forever), undone when they fell."""
     c = Controller(CFG)
-    assert c.decide(0.0, Signals(3, trained_tokens_per_s=100.0, **RUNNING_AHEAD)).delta == -1
-    kept = c.decide(60.0, Signals(2, trained_tokens_per_s=98.0, **RUNNING_AHEAD))
-    assert kept is not None and kept.delta == -1  # judged (-2%: kept), and still ahead
-    undo = c.decide(120.0, Signals(1, trained_tokens_per_s=80.0, **RUNNING_AHEAD))
-    assert undo is not None and undo.delta == 1 and undo.reason.startswith("undo -1")
+    [(_, down)] = feed(c, 0, 30, Signals(3, trained_tokens_per_s=100.0, **RUNNING_AHEAD))
+    [(at, kept)] = feed(c, 35, 90, Signals(2, trained_tokens_per_s=98.0, **RUNNING_AHEAD))
+    assert at == 90 and kept.delta == -1  # judged (-2%: kept), and still ahead
+    [(_, undo)] = feed(c, 95, 150, Signals(1, trained_tokens_per_s=80.0, **RUNNING_AHEAD))
+    assert undo.delta == 1 and undo.reason.startswith("undo -1")
 
 
 def test_signals_that_swing_across_both_thresholds_move_at_most_once_a_dwell():
-    c, moves = Controller(CFG), []
-    for second in range(0, 3600, 2):
-        swing = WAITING if second // 10 % 2 else RUNNING_AHEAD
-        move = c.decide(float(second), Signals(2, trained_tokens_per_s=100.0, **swing))
-        if move is not None:
-            moves.append(second)
+    c = Controller(CFG)
+    swing = lambda t: Signals(2, 0.5 if t // 10 % 2 else 0.0, 0.0 if t // 10 % 2 else 4.0, 100.0)  # noqa: E731
+    moves = [at for at, _ in feed(c, 0, 3600, swing, every=2.0)]
     assert moves and all(b - a >= CFG.dwell_s for a, b in zip(moves, moves[1:]))
+
+
+def test_on_shared_slots_a_move_goes_toward_the_balanced_split_up_to_max_step():
+    """8 slots generate, 8 train, the trainer idles 60%: generation must grow 2.5 times
+    against training, which 11.4 of the 16 slots would do."""
+    s = Signals(8, trainer_idle=0.6, ready_batches=0.0, trained_tokens_per_s=1.0, trainer_slots=8)
+    assert balanced(s) == pytest.approx(16 * 2.5 / 3.5)
+    wide = Controller(replace(CFG, max_generators=15, max_step=8))
+    assert feed(wide, 0, 30, s)[0][1].delta == 3
+    narrow = Controller(replace(CFG, max_generators=15, max_step=2))
+    assert feed(narrow, 0, 30, s)[0][1].delta == 2
+    # Where the trainer keeps its size, generation alone grows by 1 / (1 - idle).
+    assert balanced(s._replace(trainer_slots=0)) == pytest.approx(8 / 0.4)
+
+
+def test_trained_tokens_per_s_are_over_the_steps_own_time():
+    steps = [StepRecord(seconds=2.0, waited=1.0, tokens=100.0)] * 3
+    s = signals(2, steps, ready_batches=0.5)
+    assert s.trained_tokens_per_s == 50.0 and s.trainer_idle == 0.5 and s.generators == 2
+    assert signals(2, [], 0.0).trained_tokens_per_s == 0.0
 
 
 @pytest.mark.parametrize(
@@ -86,6 +136,7 @@ def test_signals_that_swing_across_both_thresholds_move_at_most_once_a_dwell():
         (["elastic.min_generators=0"], "elastic.min_generators=0 must be at least 1"),
         (["elastic.window_s=90"], "elastic.window_s=90 must be above 0 and at most"),
         (["elastic.trainer_idle_low=0.5"], "elastic.trainer_idle_low=0.5 must be below"),
+        (["elastic.max_step=0"], "elastic.max_step=0 must be at least 1"),
     ],
 )
 def test_an_elastic_setting_that_cannot_work_is_refused_before_any_process(
@@ -119,16 +170,17 @@ def test_the_loop_reads_the_run_and_asks_the_pool_for_the_controller_s_count(tmp
         clock[0] += elastic_loop.CHECK_S
         loop.adjust(procs)  # the first steps read: a window of training not seen yet
         assert not pool.path.exists()
-        clock[0] += elastic_loop.CHECK_S
-        _trainer_steps(tmp_path / "metrics.jsonl", steps=20, wait_s=0.2)
-        loop.adjust(procs)
+        for _ in range(2):  # a window of training, then one of signals for their trend
+            clock[0] += elastic_loop.CHECK_S
+            _trainer_steps(tmp_path / "metrics.jsonl", steps=20, wait_s=0.2)
+            loop.adjust(procs)
         assert pool.path.read_text() == "2\n" and [p.name for p in procs][-1] == "generator_1"
     finally:
         for p in procs:
             if p.proc is not None:
                 p.kill()
                 p.proc.wait()
-    [check] = [r for r in read_metrics(tmp_path) if r["process"] == "controller"]
+    [_, check] = [r for r in read_metrics(tmp_path) if r["process"] == "controller"]
     assert check["elastic/move"] == 1 and check["elastic/generators"] == 2
     assert check["elastic/trainer_idle"] == pytest.approx(2 / 3)
     history = (tmp_path / "control" / "generators.log").read_text()

@@ -9,8 +9,10 @@
         The figures of RUN's config with overrides (SimConfig fields, e.g.
         max_staleness=4 num_generators=2 engine_threads=2 placement=colocated).
     python tools/simulate.py sweep --gpus 1024 --model-params 7e9 [...]
-        The GPU cost model (assumed figures, asyncrl/sim/gpu.py): trainer/generator
-        splits × η, plus the colocated placement, as CSV; the best split and η.
+    python tools/simulate.py elastic --gpus 64 --slot-gpus 8 [...]
+        On the GPU cost model (assumed figures): splits × η; the elastic placement's
+        controller against every fixed split of a changing workload
+        (``tools/simulate_cluster.py``).
 
 Each ends with one JSON line. ``--cores`` is the machine the runs were measured on
 (default: this one's).
@@ -22,7 +24,6 @@ share the arguments and the JSON line each ends with.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import json
 import os
@@ -32,10 +33,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from simulate_cluster import add_cluster_commands, fmt_or_dash, run_cluster_command  # noqa: E402
+
 from asyncrl.report import report  # noqa: E402
 from asyncrl.sim import SimConfig, SimParams, config_from_run, simulate  # noqa: E402
 from asyncrl.sim.calibrate import calibrate, fit_thread_scaling  # noqa: E402
-from asyncrl.sim.gpu import GpuSpec, Workload, sweep  # noqa: E402
 
 TOLERANCE = 0.15
 
@@ -73,10 +75,6 @@ def with_workload(params: SimParams, other: SimParams) -> SimParams:
 
 def _err(pred: float, meas: float | None) -> float | None:
     return pred / meas - 1 if meas else None
-
-
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
 
 
 def thread_base(runs: list[str], cores: int, fit: bool) -> SimParams:
@@ -143,11 +141,11 @@ def print_rows(rows: list[dict], primary: str, cores: int) -> None:
     for r in rows:
         name = Path(r["run"]).name + (" (cal)" if r["in_sample"] else "")
         print(
-            f"{name:<22} {r['config']:<48} {_fmt(r['measured_trained_tokens_per_s'], '9.0f')} "
-            f"{r['predicted_trained_tokens_per_s']:9.0f} {_fmt(r['error'], '+7.1%')} "
-            f"{r['predicted_with_run_workload']:9.0f} {_fmt(r['error_with_run_workload'], '+7.1%')}  "
-            f"{_fmt(r['measured_generator_idle'], '.3f')}/{r['predicted_generator_idle']:.3f}    "
-            f"{_fmt(r['measured_trainer_idle'], '.3f')}/{r['predicted_trainer_idle']:.3f}"
+            f"{name:<22} {r['config']:<48} {fmt_or_dash(r['measured_trained_tokens_per_s'], '9.0f')} "
+            f"{r['predicted_trained_tokens_per_s']:9.0f} {fmt_or_dash(r['error'], '+7.1%')} "
+            f"{r['predicted_with_run_workload']:9.0f} {fmt_or_dash(r['error_with_run_workload'], '+7.1%')}  "
+            f"{fmt_or_dash(r['measured_generator_idle'], '.3f')}/{r['predicted_generator_idle']:.3f}    "
+            f"{fmt_or_dash(r['measured_trainer_idle'], '.3f')}/{r['predicted_trainer_idle']:.3f}"
         )
     print("(* with the predicted run's own workload: its lengths and filter schedule)")
 
@@ -178,7 +176,10 @@ def print_matrix(matrix: dict[str, dict[str, dict[str, float | None]]], runs: li
         )
         print(" " * 14 + "".join(f"{Path(r).name:>14}" for r in runs))
         for cal in runs:
-            print(f"{Path(cal).name:<14}" + "".join(_fmt(table[cal][r], "+14.1%") for r in runs))
+            print(
+                f"{Path(cal).name:<14}"
+                + "".join(fmt_or_dash(table[cal][r], "+14.1%") for r in runs)
+            )
 
 
 def check(runs: list[str], cores: int, seed: int, fit_threads: bool = False) -> dict[str, Any]:
@@ -258,90 +259,6 @@ def predict(
     }
 
 
-def gpu_from_args(overrides: list[str]) -> GpuSpec:
-    """The assumed GPU with ``FIELD=VALUE`` overrides."""
-    gpu = GpuSpec()
-    for item in overrides:
-        key, value = item.split("=", 1)
-        setattr(gpu, key, type(getattr(gpu, key))(float(value)) if key != "name" else value)
-    return gpu
-
-
-def workload_from_args(args: argparse.Namespace) -> Workload:
-    return Workload(
-        model_params=args.model_params,
-        prompt_tokens=args.prompt_tokens,
-        response_mean=args.response_mean,
-        response_max=args.response_max,
-        prompts_per_batch=args.batch,
-        samples_per_prompt=args.samples,
-        filter_probability=args.filter_probability,
-        weight_sync=args.weight_sync,
-    )
-
-
-def write_csv(rows: list[dict[str, Any]], out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-
-
-def print_sweep(rows: list[dict[str, Any]]) -> None:
-    print(
-        f"{'placement':<10} {'eta':>4} {'trainer':>8} {'gens':>6} {'tok/s':>12} {'tok/s/gpu':>10} "
-        f"{'step s':>8} {'gen idle':>9} {'slot fill':>9} {'trn idle':>9} {'stale':>6}"
-    )
-    for r in rows:
-        print(
-            f"{r['placement']:<10} {str(r['max_staleness']):>4} {r['trainer_gpus']:>8} {r['generator_gpus']:>6} "
-            f"{r['trained_tokens_per_s']:>12.0f} {r['trained_tokens_per_s_per_gpu']:>10.1f} "
-            f"{_fmt(r['step_s'], '8.1f')} {r['generator_idle_fraction']:>9.3f} {r['generator_slot_fill']:>9.3f} "
-            f"{r['trainer_idle_fraction']:>9.3f} {r['mean_staleness']:>6.2f}"
-        )
-
-
-def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
-    gpu = gpu_from_args(args.gpu)
-    w = workload_from_args(args)
-    etas = [None if e.strip().lower() == "none" else int(e) for e in args.etas.split(",")]
-    rows = sweep(w, gpu, args.gpus, etas, steps=args.steps)
-    out = Path(args.out)
-    write_csv(rows, out)
-    print_sweep(rows)
-    async_rows = [r for r in rows if r["placement"] == "async"]
-    best = max(async_rows, key=lambda r: r["trained_tokens_per_s"])
-    per_eta = {
-        str(e): max(
-            (r for r in async_rows if r["max_staleness"] == e),
-            key=lambda r: r["trained_tokens_per_s"],
-        )
-        for e in etas
-    }
-    coloc = next(r for r in rows if r["placement"] == "colocated")
-    brief = (
-        "trainer_gpus",
-        "generator_gpus",
-        "max_staleness",
-        "trained_tokens_per_s",
-        "mean_staleness",
-    )
-    return {
-        "command": "sweep",
-        "csv": str(out),
-        "gpus": args.gpus,
-        "model_params": args.model_params,
-        "best": {k: best[k] for k in brief},
-        "best_generator_to_trainer": best["generator_gpus"] / best["trainer_gpus"],
-        "best_per_eta": {e: {k: r[k] for k in brief} for e, r in per_eta.items()},
-        "colocated_trained_tokens_per_s": coloc["trained_tokens_per_s"],
-        "workload": dataclasses.asdict(w),
-        "gpu_assumed": dataclasses.asdict(gpu),
-        "note": "GPU figures are assumptions (asyncrl/sim/gpu.py), not measurements",
-    }
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -357,22 +274,7 @@ def main(argv: list[str] | None = None) -> None:
             "more threads; predictions of multi-thread runs become partly in-sample)",
         )
     sub.choices["predict"].add_argument("overrides", nargs="*", help="SimConfig key=value")
-    s = sub.add_parser("sweep")
-    s.add_argument("--gpus", type=int, default=1024)
-    s.add_argument("--model-params", type=float, default=7e9)
-    s.add_argument("--prompt-tokens", type=int, default=256)
-    s.add_argument("--response-mean", type=float, default=1024)
-    s.add_argument("--response-max", type=int, default=8192)
-    s.add_argument("--batch", type=int, default=512, help="prompts per batch (B)")
-    s.add_argument("--samples", type=int, default=16, help="samples per prompt (n)")
-    s.add_argument("--filter-probability", type=float, default=0.3)
-    s.add_argument("--weight-sync", choices=["nccl", "disk"], default="nccl")
-    s.add_argument("--etas", default="0,1,2,4,8,16", help="comma-separated η; 'none' is unbounded")
-    s.add_argument("--steps", type=int, default=12, help="least trainer steps simulated per point")
-    s.add_argument(
-        "--gpu", action="append", default=[], metavar="FIELD=VALUE", help="GpuSpec override"
-    )
-    s.add_argument("--out", default="runs/sim/sweep.csv")
+    add_cluster_commands(sub)
     args = parser.parse_args(argv)
     if args.command == "check":
         result = check(args.calibrate, args.cores, args.seed, args.fit_threads)
@@ -383,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
         overrides = [a for a in args.calibrate if "=" in a] + args.overrides
         result = predict(runs, overrides, args.cores, args.seed, args.fit_threads)
     else:
-        result = run_sweep(args)
+        result = run_cluster_command(args)
     print(json.dumps(result, default=str))
 
 

@@ -6,8 +6,10 @@ count it wants to ``RUN_DIR/control/generators``.
 What it reads from ``RUN_DIR/metrics.jsonl`` (new lines every ``CHECK_S``, timed by when
 they were read, since each process's ``time`` counts from its own start):
 
-- the trainer's steps: ``train/wait_for_batch_s`` and ``train/step_s`` give its idle
-  share, ``train/tokens`` the trained tokens/s;
+- the trainer's steps: ``train/wait_for_batch_s`` against the whole step (with
+  ``train/step_s`` and ``train/weight_publish_s``) gives its idle share, and with
+  ``train/tokens`` the trained tokens/s over the steps' own time
+  (``asyncrl.elastic.signals``);
 - the buffer's ``buffer/ready_groups``, in batches of ``buffer.prompts_per_batch``.
 
 Every check is logged as process ``controller`` (``elastic/generators``, the signals, and
@@ -24,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from asyncrl.config import from_dict
-from asyncrl.elastic import Controller, ElasticConfig, Signals
+from asyncrl.elastic import Controller, ElasticConfig, Signals, StepRecord, signals
 from asyncrl.launcher.pool import GeneratorPool, generator_pool
 from asyncrl.launcher.supervise import Supervised, say
 from asyncrl.metrics import MetricsConfig, MetricsLogger
@@ -48,9 +50,7 @@ class ElasticLoop:
         self.path = run_dir / "metrics.jsonl"
         self.offset = 0  # how far the metrics file has been read
         self.controller = Controller(cfg)
-        self.steps: deque[tuple[float, float, float, float]] = (
-            deque()
-        )  # read at, step, wait, tokens
+        self.steps: deque[tuple[float, StepRecord]] = deque()  # (read at, step)
         self.ready = 0.0
         self.training_since: float | None = None  # when the first trained step was read
         self.last_check = time.monotonic()
@@ -73,7 +73,7 @@ class ElasticLoop:
             return  # a window of training not seen yet (start-up is no steady state)
         if not self.steps:
             return  # no step in the window (a long one, a restart): nothing to judge by
-        s = self._signals(now, generators)
+        s = self._signals(generators)
         move = self.controller.decide(now, s)
         scalars = {
             "elastic/generators": float(generators + (move.delta if move else 0)),
@@ -107,29 +107,23 @@ class ElasticLoop:
                 continue  # a line torn by a writer on another node: one record less
             if "train/step_s" in record:
                 self.training_since = self.training_since or now
-                self.steps.append(
-                    (
-                        now,
-                        record["train/step_s"],
-                        record.get("train/wait_for_batch_s", 0.0),
-                        record.get("train/tokens", 0.0),
-                    )
+                waited = record.get("train/wait_for_batch_s", 0.0)
+                step = StepRecord(
+                    seconds=record["train/step_s"]
+                    + waited
+                    + record.get("train/weight_publish_s", 0.0),
+                    waited=waited,
+                    tokens=record.get("train/tokens", 0.0),
                 )
+                self.steps.append((now, step))
             elif "buffer/ready_groups" in record:
                 self.ready = record["buffer/ready_groups"]
         while self.steps and self.steps[0][0] < now - self.cfg.window_s:
             self.steps.popleft()
 
-    def _signals(self, now: float, generators: int) -> Signals:
-        busy = sum(step for _, step, _, _ in self.steps)
-        waited = sum(wait for _, _, wait, _ in self.steps)
-        seconds = min(self.cfg.window_s, now - self.training_since)
-        return Signals(
-            generators=generators,
-            trainer_idle=waited / (busy + waited) if busy + waited > 0 else 0.0,
-            ready_batches=self.ready / self.batch_groups,
-            trained_tokens_per_s=sum(tokens for *_, tokens in self.steps) / seconds,
-        )
+    def _signals(self, generators: int) -> Signals:
+        ready = self.ready / self.batch_groups
+        return signals(generators, [step for _, step in self.steps], ready)
 
 
 def run_adjuster(

@@ -13,8 +13,10 @@ placement, one process alternating the two.
     calibrate.py  calibrate(run_dir) -> SimParams (costs) from a measured run
     workload.py   its workload half: length histograms, the filter schedule by version
     gpu.py        a parametric GPU cost model (assumptions, not measurements) and sweeps
+    elastic.py    the elastic placement's controller (``asyncrl.elastic``) moving slots of
+                  a simulated cluster while the workload changes, against fixed splits
 
-``tools/simulate.py`` is the command line: ``check``, ``predict``, ``sweep``.
+``tools/simulate.py`` is the command line: ``check``, ``predict``, ``sweep``, ``elastic``.
 """
 
 from asyncrl.sim.model import SimConfig, SimParams, config_from_run, override

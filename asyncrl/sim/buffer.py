@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 
 from asyncrl.buffer.staleness import StalenessGate
-from asyncrl.sim.model import SimConfig, SimParams, filter_probability
+from asyncrl.sim.model import SimConfig, SimParams, filter_probability, length_factor
 
 
 class LengthSampler:
@@ -159,8 +159,9 @@ class SimBuffer:
             return False
         prompt_len = self.retry.popleft() if self.retry else self.prompt_lengths(self.rng)
         group = SimGroup(self.next_group_id, prompt_len)
+        factor = length_factor(self.params.length_schedule, self.version)
         group.samples = [
-            SimSample(group, self.lengths(self.rng)) for _ in range(self.cfg.samples_per_prompt)
+            SimSample(group, self._length(factor)) for _ in range(self.cfg.samples_per_prompt)
         ]
         self.groups[group.group_id] = group
         self.next_group_id += 1
@@ -169,6 +170,12 @@ class SimBuffer:
         self.counts["samples_created"] += len(group.samples)
         self.to_lease.extend(group.samples)
         return True
+
+    def _length(self, factor: float) -> int:
+        length = self.lengths(self.rng)
+        if factor == 1.0:
+            return length
+        return max(1, min(self.cfg.max_new_tokens, round(length * factor)))
 
     def _end(self, group: SimGroup, outcome: str) -> None:
         self.counts[f"samples_{outcome}"] += len(group.samples)

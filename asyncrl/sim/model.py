@@ -102,6 +102,9 @@ class SimParams:
     filter_schedule: list[tuple[int, float]] = field(default_factory=lambda: [(0, 0.5)])
     """(policy version, probability a finished group is filtered), piecewise linear,
     held constant outside; dynamic sampling only."""
+    length_schedule: list[tuple[int, float]] = field(default_factory=list)
+    """(policy version, factor on ``completion_lengths``), piecewise linear like
+    ``filter_schedule``: responses that grow as RL goes on. Empty: the histogram as it is."""
     # ---- threads (assumptions unless a calibration pair measured them)
     gen_parallel_fraction: float = 0.5
     """Amdahl parallel fraction of generator engine work."""
@@ -126,7 +129,8 @@ def speedup(threads: int, parallel_fraction: float) -> float:
 
 
 def filter_probability(schedule: list[tuple[int, float]], version: float) -> float:
-    """The schedule's probability at ``version`` (linear between points, flat outside)."""
+    """The schedule's value at ``version`` (linear between points, flat outside; 0 when
+    empty)."""
     if not schedule:
         return 0.0
     versions = [v for v, _ in schedule]
@@ -137,6 +141,11 @@ def filter_probability(schedule: list[tuple[int, float]], version: float) -> flo
         return schedule[-1][1]
     (v0, p0), (v1, p1) = schedule[i - 1], schedule[i]
     return p0 + (p1 - p0) * (version - v0) / (v1 - v0)
+
+
+def length_factor(schedule: list[tuple[int, float]], version: float) -> float:
+    """``SimParams.length_schedule`` at ``version``: 1 when empty."""
+    return filter_probability(schedule, version) if schedule else 1.0
 
 
 def mean_length(histogram: dict[int, float]) -> float:

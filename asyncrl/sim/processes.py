@@ -136,13 +136,13 @@ class Generator:
             now = self.sim.loop.now
             coming = [at for at, _ in self.staged if at > now]
             if self.waiting and coming:
-                self.sim.loop.after(min(coming) - now, self._wake)
+                self.sim.loop.after(min(coming) - now, self.wake)
 
     def deliver(self, leases: list[SimSample]) -> None:
         self.inbox = leases
-        self._wake()
+        self.wake()
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
         if self.idle:
             self.idle = False
             self.turn()
@@ -150,7 +150,7 @@ class Generator:
     def offer_weights(self, ready_at: float, version: int) -> None:
         self.staged.append((ready_at, version))
         if self.idle and self.waiting:
-            self.sim.loop.after(ready_at - self.sim.loop.now, self._wake)
+            self.sim.loop.after(ready_at - self.sim.loop.now, self.wake)
 
     def _next_version(self) -> int:
         """The weights the next step runs under: the newest staged by now, flipped in."""

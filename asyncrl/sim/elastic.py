@@ -1,0 +1,337 @@
+"""The elastic placement on a simulated GPU cluster: the controller the launcher runs
+(``asyncrl.elastic.Controller``, the same code, not a copy) moves slots between generation
+and training while the workload changes under it; every fixed split of the same cluster
+runs the same workload for comparison.
+
+The cluster is ``slots`` slots of ``slot_gpus`` GPUs each, costed by ``asyncrl.sim.gpu``
+(assumed figures, not measurements). A slot either generates (its engines join the
+generator pool, simulated as one generator with all their slots) or trains (the trainer's
+FSDP ranks). The workload changes in phases (``Phases``): response lengths grow linearly
+in the policy version to ``length_growth`` times their start, and dynamic sampling drops
+a share of groups that rises linearly from ``drop_start`` to ``drop_end``, as accuracy
+rises. Costs follow the lengths: a longer context makes each decode step dearer per
+sequence and leaves fewer sequences in an engine's KV cache, and a step trains more tokens.
+
+A move is carried out as the real placement carries it out, at assumed costs
+(``MoveCosts``):
+
+- a slot from training to generation: the trainer finishes its step, checkpoints and
+  restarts one slot smaller (``resize_s``), then the slot's engines start and load the
+  weights (``engine_start_s``) before they take leases;
+- a slot from generation to training: its engines are drained at once (their sequences
+  go on in the rest of the pool, with the tokens they have), and the trainer restarts one
+  slot larger at its next step boundary.
+
+The controller sees what the launcher's loop shows it (``asyncrl.launcher.elastic``): the
+trainer's idle share, ready batches and trained tokens/s over the latest ``window_s``,
+every ``tick_s``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from asyncrl.elastic import Controller, ElasticConfig, Signals, StepRecord, signals
+from asyncrl.sim.buffer import SimBuffer
+from asyncrl.sim.gpu import (
+    GpuSpec,
+    Workload,
+    engine_shape,
+    gpu_params,
+    min_trainer_gpus,
+    point_config,
+)
+from asyncrl.sim.model import length_factor
+from asyncrl.sim.processes import Simulation
+
+COSTS = (
+    "decode_fixed_s",
+    "decode_per_seq_s",
+    "prefill_per_token_s",
+    "recompute_per_token_s",
+    "weight_sync_s",
+    "train_per_token_s",
+    "train_fixed_s",
+    "prep_per_token_s",
+    "publish_s",
+)
+"""The ``SimParams`` fields that follow the lengths and the split; the workload's own
+(lengths, schedules) stay as they were set."""
+
+
+@dataclass
+class Phases:
+    """How the workload changes over a run (assumptions)."""
+
+    steps: int = 120
+    """Trainer steps of the run; every placement does the same work."""
+    length_growth: float = 3.0
+    """Mean response length at the last step over the first (DAPO and DeepSeek-R1 report
+    lengths that grow several times over a run)."""
+    drop_start: float = 0.2
+    """Share of groups dynamic sampling drops (all rewards equal) at the first step."""
+    drop_end: float = 0.7
+    """… and at the last: most groups are all correct once accuracy is high."""
+
+
+@dataclass
+class MoveCosts:
+    """What a move costs on a cluster (assumptions)."""
+
+    resize_s: float = 120.0
+    """The trainer's checkpoint, restart on the new slot count and reshard on resume."""
+    engine_start_s: float = 60.0
+    """A slot's inference engines starting and loading the newest weights."""
+
+
+@dataclass
+class ClusterRun:
+    """One run's figures."""
+
+    elastic: bool
+    time_s: float
+    """Simulated seconds to finish ``Phases.steps`` trainer steps."""
+    trained_tokens: int
+    moves: list[dict[str, Any]]
+    seconds_at: dict[int, float]
+    """Seconds spent at each count of generating slots."""
+    resize_s: float
+    """Seconds the trainer spent restarting for moves."""
+
+    @property
+    def trained_tokens_per_s(self) -> float:
+        return self.trained_tokens / self.time_s if self.time_s else 0.0
+
+
+class ElasticSimulation(Simulation):
+    """The async placement on ``slots`` slots, ``generator_slots`` of them generating at
+    first; ``controller`` moves them (None: the split stays fixed)."""
+
+    tick_s = 30.0
+    """How often the controller is shown the signals, as the launcher's loop does."""
+
+    def __init__(
+        self,
+        w: Workload,
+        gpu: GpuSpec,
+        slots: tuple[int, int],
+        generator_slots: int,
+        phases: Phases,
+        costs: MoveCosts,
+        controller: Controller | None,
+        max_staleness: int | None = 4,
+        seed: int = 0,
+    ) -> None:
+        count, self.slot_gpus = slots
+        if not 1 <= generator_slots < count:
+            raise ValueError(f"generator_slots={generator_slots} must be within 1..{count - 1}")
+        self.w, self.gpu, self.phases, self.costs = w, gpu, phases, costs
+        self.controller = controller
+        self.gen_slots, self.train_slots = generator_slots, count - generator_slots
+        self.tp, per_engine = engine_shape(w, gpu)
+        params = gpu_params(w, gpu, self.train_slots * self.slot_gpus, self._nodes())
+        params.filter_schedule = [(0, phases.drop_start), (phases.steps, phases.drop_end)]
+        params.length_schedule = [(0, 1.0), (phases.steps, phases.length_growth)]
+        cfg = point_config(w, per_engine, self._engines(), max_staleness, False, phases.steps)
+        cfg = dataclasses.replace(cfg, seed=seed)
+        super().__init__(cfg, params, SimBuffer(cfg, params, random.Random(seed)))
+        self.pending = 0  # +1/-1: a move the trainer carries out at its next step boundary
+        self.moving = False  # a move is under way (until the slot serves its new role)
+        self.resize_s, self.moves = 0.0, []
+        self.seconds_at: dict[int, float] = {}
+        self.since = 0.0
+        self.steps: deque[tuple[float, StepRecord]] = deque()  # (ended at, step)
+        self.step_began = self.waited_before = 0.0
+        self.ready: deque[tuple[float, float]] = deque()  # (time, ready batches)
+
+    def _nodes(self) -> int:
+        return max(1, math.ceil(self.gen_slots * self.slot_gpus / self.gpu.gpus_per_node))
+
+    def _engines(self) -> int:
+        return max(1, self.gen_slots * self.slot_gpus // self.tp)
+
+    def _costs_now(self) -> None:
+        """Costs for the lengths of the current version on the current split."""
+        scale = length_factor(self.params.length_schedule, self.buffer.version)
+        w = dataclasses.replace(self.w, response_mean=self.w.response_mean * scale)
+        fresh = gpu_params(w, self.gpu, self.train_slots * self.slot_gpus, self._nodes())
+        for name in COSTS:
+            setattr(self.params, name, getattr(fresh, name))
+        gen = self.generators[0]
+        gen.replicas = self._engines()
+        gen.slots = engine_shape(w, self.gpu)[1] * gen.replicas
+
+    def _set_generating(self, gen_slots: int) -> None:
+        now = self.loop.now
+        self.seconds_at[self.gen_slots] = (
+            self.seconds_at.get(self.gen_slots, 0.0) + now - self.since
+        )
+        self.gen_slots, self.since = gen_slots, now
+        self._costs_now()
+
+    # ---- steps and moves -----------------------------------------------------------------
+    def start(self) -> None:
+        super().start()
+        if self.controller is not None:
+            self.loop.after(self.tick_s, self._tick)
+
+    def next_step(self) -> None:
+        """Between two trainer steps: the costs of the new version, and a resize if due."""
+        self._record_step()
+        delta, self.pending = self.pending, 0
+        if delta == 0:
+            self._costs_now()
+            self._request()
+            return
+        self.train_slots -= delta
+        self._costs_now()
+        self.resize_s += self.costs.resize_s
+        self.loop.after(self.costs.resize_s, self._request)
+        if delta > 0:  # the slots the trainer gave up start their engines
+            wait = self.costs.resize_s + self.costs.engine_start_s
+            self.loop.after(wait, self._engines_in, delta)
+        else:
+            self.loop.after(self.costs.resize_s, self._moved)
+
+    def _request(self) -> None:
+        """The trainer asks for its next batch: a step's time counts from here."""
+        self.step_began, self.waited_before = self.loop.now, self.trainer.wait_s
+        super().next_step()
+
+    def _record_step(self) -> None:
+        t = self.trainer
+        step = StepRecord(
+            seconds=self.loop.now - self.step_began,
+            waited=t.wait_s - self.waited_before,
+            tokens=t.step_ends[-1][1],
+        )
+        self.steps.append((self.loop.now, step))
+
+    def _engines_in(self, added: int) -> None:
+        self._set_generating(self.gen_slots + added)
+        self._moved()
+        self.generators[0].wake()  # idle for want of slots: it has more now
+
+    def _moved(self) -> None:
+        self.moving = False
+
+    def _move(self, delta: int, reason: str, s: Signals) -> None:
+        self.moves.append(
+            {
+                "time_s": round(self.loop.now, 1),
+                "step": self.trainer.step,
+                "generator_slots": self.gen_slots + delta,
+                "reason": reason,
+                "trainer_idle": round(s.trainer_idle, 3),
+                "ready_batches": round(s.ready_batches, 2),
+                "trained_tokens_per_s": round(s.trained_tokens_per_s),
+            }
+        )
+        self.pending, self.moving = delta, True
+        if delta < 0:  # drained now: their sequences go on in the rest of the pool
+            self._set_generating(self.gen_slots + delta)
+
+    def _tick(self) -> None:
+        """What the launcher's loop does every check: the window's signals to the
+        controller, once a window of training has passed and no move is under way."""
+        if self.done:
+            return
+        now, window = self.loop.now, self.controller.cfg.window_s
+        self.ready.append((now, len(self.buffer.ready) / self.cfg.prompts_per_batch))
+        for kept in (self.steps, self.ready):
+            while kept and kept[0][0] < now - window:
+                kept.popleft()
+        trained = self.trainer.step_ends
+        if trained and now - trained[0][0] >= window and self.steps and not self.moving:
+            ready = sum(r for _, r in self.ready) / len(self.ready)
+            steps = [step for _, step in self.steps]
+            s = signals(self.gen_slots, steps, ready, self.train_slots)
+            move = self.controller.decide(now, s)
+            if move is not None:
+                self._move(move.delta, move.reason, s)
+        self.loop.after(self.tick_s, self._tick)
+
+    def result(self) -> ClusterRun:
+        self._set_generating(self.gen_slots)
+        return ClusterRun(
+            elastic=self.controller is not None,
+            time_s=self.loop.now,
+            trained_tokens=sum(k for _, k in self.trainer.step_ends),
+            moves=self.moves,
+            seconds_at=dict(sorted(self.seconds_at.items())),
+            resize_s=self.resize_s,
+        )
+
+
+def run_cluster(
+    w: Workload,
+    gpu: GpuSpec,
+    slots: tuple[int, int],
+    generator_slots: int,
+    phases: Phases,
+    costs: MoveCosts,
+    controller: Controller | None,
+    max_staleness: int | None = 4,
+    seed: int = 0,
+) -> ClusterRun:
+    """One run to ``phases.steps`` trainer steps (see ``ElasticSimulation``)."""
+    sim = ElasticSimulation(
+        w, gpu, slots, generator_slots, phases, costs, controller, max_staleness, seed
+    )
+    sim.start()
+    sim.loop.run(float("inf"), stop=lambda: sim.done)
+    sim.buffer.check_accounting()
+    return sim.result()
+
+
+def study(
+    w: Workload,
+    gpu: GpuSpec,
+    slots: tuple[int, int],
+    phases: Phases,
+    costs: MoveCosts,
+    elastic: ElasticConfig,
+    max_staleness: int | None = 4,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Every fixed split the trainer's memory allows, and the elastic placement started
+    from an even split (it is not told which split is best): time to finish the run and
+    trained tokens/s of each."""
+    count, slot_gpus = slots
+    fewest_training = math.ceil(min_trainer_gpus(w, gpu) / slot_gpus)
+    splits = range(1, count - fewest_training + 1)
+    elastic = dataclasses.replace(elastic, min_generators=1, max_generators=splits[-1])
+    args = (w, gpu, slots)
+    fixed = {g: run_cluster(*args, g, phases, costs, None, max_staleness, seed) for g in splits}
+    start = min(splits[-1], max(1, count // 2))
+    adaptive = run_cluster(*args, start, phases, costs, Controller(elastic), max_staleness, seed)
+    best = min(fixed, key=lambda g: fixed[g].time_s)
+    return {
+        "gpus": count * slot_gpus,
+        "slots": count,
+        "slot_gpus": slot_gpus,
+        "fixed": {
+            str(g): {
+                "time_s": round(r.time_s),
+                "trained_tokens_per_s": round(r.trained_tokens_per_s),
+            }
+            for g, r in fixed.items()
+        },
+        "best_fixed_generator_slots": best,
+        "elastic": {
+            "start_generator_slots": start,
+            "time_s": round(adaptive.time_s),
+            "trained_tokens_per_s": round(adaptive.trained_tokens_per_s),
+            "resize_s": adaptive.resize_s,
+            "seconds_at": {str(k): round(v) for k, v in adaptive.seconds_at.items()},
+            "moves": adaptive.moves,
+        },
+        "elastic_gain_over_best_fixed": fixed[best].time_s / adaptive.time_s - 1,
+        "elastic_gain_over_worst_fixed": max(r.time_s for r in fixed.values()) / adaptive.time_s
+        - 1,
+    }

@@ -1,0 +1,88 @@
+"""The elastic placement on the simulated cluster (``asyncrl.sim.elastic``): the
+workload's phases (responses that grow, more groups dropped), moves carried out at their
+cost with the books intact, and the launcher's controller finding a better split than
+the one it starts from. Small workloads: each run takes a fraction of a second."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncrl.elastic import Controller, ElasticConfig
+from asyncrl.sim import SimConfig, SimParams
+from asyncrl.sim.buffer import SimBuffer
+from asyncrl.sim.elastic import MoveCosts, Phases, run_cluster, study
+from asyncrl.sim.gpu import GpuSpec, Workload
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = Workload(response_mean=256, response_max=2048, prompts_per_batch=64, samples_per_prompt=8)
+PHASES = Phases(steps=40)
+COSTS = MoveCosts(resize_s=20.0, engine_start_s=10.0)
+CONTROL = ElasticConfig(max_generators=7, dwell_s=60.0, window_s=30.0, max_step=1)
+
+
+def test_responses_grow_by_the_length_schedule():
+    params = SimParams(completion_lengths={100: 1.0}, length_schedule=[(0, 1.0), (10, 3.0)])
+    cfg = SimConfig(max_new_tokens=1000, prompts_per_batch=4, max_staleness=None)
+    buffer = SimBuffer(cfg, params, random.Random(0))
+    first = [s.length for s in buffer.lease(8)]
+    buffer.set_version(5)
+    middle = [s.length for s in buffer.lease(8)]
+    buffer.set_version(10)
+    last = [s.length for s in buffer.lease(8)]
+    assert (set(first), set(middle), set(last)) == ({100}, {200}, {300})
+
+
+def test_a_fixed_split_does_the_run_s_steps_without_a_move():
+    run = run_cluster(SMALL, GpuSpec(), (8, 8), 4, PHASES, COSTS, None)
+    assert run.moves == [] and run.resize_s == 0 and set(run.seconds_at) == {4}
+    assert run.seconds_at[4] == pytest.approx(run.time_s) and run.trained_tokens > 0
+
+
+def test_a_starved_trainer_s_slots_move_to_generation_and_the_run_ends_sooner():
+    """Started with one generating slot of eight, the controller adds slots (each move
+    paid: the trainer restarts, the engines start), the books hold over every move, and
+    the run ends sooner than at the split it started from."""
+    fixed = run_cluster(SMALL, GpuSpec(), (8, 8), 1, PHASES, COSTS, None)
+    elastic = run_cluster(SMALL, GpuSpec(), (8, 8), 1, PHASES, COSTS, Controller(CONTROL))
+    ups = [m for m in elastic.moves if not m["reason"].startswith("undo")]
+    assert ups and ups[0]["generator_slots"] == 2 and "trainer idle" in ups[0]["reason"]
+    assert elastic.resize_s == COSTS.resize_s * len(elastic.moves)
+    assert max(elastic.seconds_at) > 1 and sum(elastic.seconds_at.values()) == pytest.approx(
+        elastic.time_s
+    )
+    assert elastic.time_s < 0.9 * fixed.time_s
+
+
+def test_the_study_compares_the_controller_with_every_fixed_split():
+    result = study(SMALL, GpuSpec(), (4, 8), PHASES, COSTS, CONTROL)
+    assert (
+        set(result["fixed"]) == {"1", "2", "3"} and result["elastic"]["start_generator_slots"] == 2
+    )
+    best = result["fixed"][str(result["best_fixed_generator_slots"])]["time_s"]
+    assert result["elastic_gain_over_best_fixed"] == pytest.approx(
+        best / result["elastic"]["time_s"] - 1, abs=0.01
+    )
+
+
+def test_cli_elastic_ends_with_one_json_line():
+    proc = subprocess.run(
+        [
+            *[sys.executable, "tools/simulate.py", "elastic", "--gpus", "32", "--slot-gpus", "8"],
+            *["--steps", "20", "--batch", "32", "--samples", "4", "--response-mean", "128"],
+            *["--response-max", "1024", "--dwell-s", "60", "--window-s", "30"],
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["command"] == "elastic" and set(result["fixed"]) == {"1", "2", "3"}
+    assert result["phases"]["steps"] == 20 and "assumptions" in result["note"]
