@@ -122,3 +122,16 @@ def test_the_report_compares_trained_and_finished_lengths_and_counts_drops():
     assert figures["trained_vs_passed_length"] == 0.25  # no filter here: the same
     assert figures["dropped"]["stale"] == {"samples": 2, "tokens": 42}
     assert figures["tokens_revoked_alive"] == 0
+
+
+def test_a_batch_served_ahead_of_the_trainer_s_version_is_counted_until_announced():
+    """What a run that ends mid-step leaves served but untrained: the chaos books take it
+    from the consumed samples before counting any as lost."""
+    from asyncrl.buffer.scoring import buffer_counters
+
+    buffer, scoring, _ = _two_groups("drop")
+    buffer.batches.batch_for(1, 0, 1)  # step 1's batch, the trainer still at version 1
+    ahead = buffer_counters(buffer, scoring)["buffer/samples_served_untrained"]
+    assert ahead == 2 == buffer.state.counts["samples_consumed"]
+    buffer.batches.set_version(2)  # step 1 trained
+    assert buffer_counters(buffer, scoring)["buffer/samples_served_untrained"] == 0

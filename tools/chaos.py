@@ -26,7 +26,9 @@ directory (read by ``tools/chaos_books.py``):
                                              + in flight (buffer_counters.json)
     lost, duplicated, lineage_samples        from the ledger's final lineage (the last line
     missing_steps                            of each (rank, step) below the final step):
-                                             consumed samples not in it, samples in it more
+                                             consumed samples not in it (less those served
+                                             for a step the run ended before training,
+                                             samples_served_untrained), samples in it more
                                              than once, steps absent from it
     batches_served_again, steps_not_replayable, leases_reissued   buffer counters
     tokens_revoked_alive                     buffer counter: tokens streamed into leases

@@ -132,10 +132,14 @@ def books(counters: dict, lineage_figures: dict) -> dict[str, Any]:
             "tokens_revoked_alive",
             "episodes_continued",
             "episode_replay_mismatches",
+            "samples_served_untrained",
         )
     }
     ended = sum(c[f"samples_{k}"] for k in ("consumed", "stale", "filtered", "failed"))
-    consumed, trained = c["samples_consumed"], lineage_figures["lineage_distinct"]
+    # Samples served for a step the run ended before training are not lost: the buffer
+    # still holds them for that step.
+    consumed = c["samples_consumed"] - c["samples_served_untrained"]
+    trained = lineage_figures["lineage_distinct"]
     return {
         **c,
         "accounting_holds": bool(counters)

@@ -144,6 +144,10 @@ def buffer_counters(buffer: RolloutBuffer, scoring: Scoring | InlineScoring) -> 
     out.setdefault("buffer/tokens_revoked_alive", 0.0)
     out["buffer/in_flight_samples"] = float(buffer.in_flight())
     out["buffer/in_flight_tokens"] = float(buffer.in_flight_tokens())
+    # Consumed for a step the trainer has not announced yet: trained unless the run ends
+    # first (a time limit while a batch was on its way), and served again after a restart.
+    ahead = (shares for step, shares in st.served.items() if step >= st.version)
+    out["buffer/samples_served_untrained"] = float(sum(len(s) for shares in ahead for s in shares))
     out.update({f"buffer/staleness_{k}": float(v) for k, v in sorted(st.staleness.items())})
     out["buffer/ready_groups"] = float(len(st.ready))
     out["buffer/steps_waited_for_stragglers"] = float(buffer.batches.steps_waited)
