@@ -178,7 +178,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
             "wire security seeds metrics report background balance config liveness elastic",
         ),
         ("transport", "transport process_groups"),
-        ("models and data", "models logprobs chat_tokenizers shapes random_models tasks"),
+        ("models and data", "models logprobs chat_tokenizers shapes random_models tasks image"),
         ("engines", "engine interfaces serving"),
         ("weights", "weights"),
         ("buffer", "buffer"),
