@@ -90,7 +90,6 @@ def run_elastic(args: argparse.Namespace) -> dict[str, Any]:
         **result,
         "phases": dataclasses.asdict(phases),
         "move_costs": dataclasses.asdict(costs),
-        "controller": dataclasses.asdict(control),
         "workload": dataclasses.asdict(w),
         "note": "GPU figures and move costs are assumptions (asyncrl/sim), not measurements",
     }

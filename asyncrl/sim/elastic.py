@@ -331,6 +331,7 @@ def study(
             "seconds_at": {str(k): round(v) for k, v in adaptive.seconds_at.items()},
             "moves": adaptive.moves,
         },
+        "controller": dataclasses.asdict(elastic),
         "elastic_gain_over_best_fixed": fixed[best].time_s / adaptive.time_s - 1,
         "elastic_gain_over_worst_fixed": max(r.time_s for r in fixed.values()) / adaptive.time_s
         - 1,
