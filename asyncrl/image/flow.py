@@ -1,0 +1,77 @@
+"""Flow matching's sampler as a policy (Flow-GRPO): each denoising step a Gaussian whose
+log-probability is known in closed form, so that the decoupled PPO loss applies per step.
+
+Convention (SD3's, and diffusers'): ``x_t = (1 - t) x0 + t eps`` with ``t`` from 1 (noise)
+to 0 (data), and the model predicts the velocity ``v = eps - x0``. Sampling follows the
+probability-flow ODE ``dx = v dt`` (``ode_step``), or an SDE with the same marginals
+(``sde_step``): with the score ``grad log p_t(x) = -(x + (1 - t) v) / t`` of this
+interpolant, the reverse-time SDE
+
+    dx = [v + sigma_t^2 / (2t) (x + (1 - t) v)] dt + sigma_t dW,   sigma_t = a sqrt(t / (1 - t))
+
+keeps every marginal ``p_t`` for any noise level ``a``. One Euler–Maruyama step from ``t``
+down to ``t - dt`` is the Gaussian ``N(mean, (sigma_t sqrt(dt))^2 I)`` of
+``sde_distribution``; ``sigma_t`` is capped at the grid's first step below 1, where it would
+be infinite. The times are those of diffusers' ``FlowMatchEulerDiscreteScheduler`` with
+SD3's ``shift`` (``time_grid``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+
+
+def time_grid(steps: int, shift: float = 1.0) -> list[float]:
+    """``steps + 1`` times from 1 down to 0, spaced as SD3 spaces them (``shift`` > 1
+    spends more steps at high noise)."""
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
+    scheduler.set_timesteps(steps)
+    return [float(t) for t in scheduler.sigmas]
+
+
+def sde_sigma(t: float, t_cap: float, noise_level: float) -> float:
+    """``sigma_t = a sqrt(t / (1 - t))``, with ``t`` capped at ``t_cap`` under the root's
+    denominator (the grid's first step below 1)."""
+    return noise_level * math.sqrt(t / (1.0 - min(t, t_cap)))
+
+
+def sde_distribution(
+    x: torch.Tensor, v: torch.Tensor, t: float, t_next: float, noise_level: float, t_cap: float
+) -> tuple[torch.Tensor, float]:
+    """The step from ``t`` to ``t_next`` < ``t`` as a Gaussian: its mean (the shape of
+    ``x``, [B, C, H, W]) and its standard deviation (one number: every dimension's)."""
+    dt = t - t_next
+    sigma = sde_sigma(t, t_cap, noise_level)
+    mean = x - dt * (v + sigma**2 / (2 * t) * (x + (1 - t) * v))
+    return mean, sigma * math.sqrt(dt)
+
+
+def gaussian_logprob(x_next: torch.Tensor, mean: torch.Tensor, std: float) -> torch.Tensor:
+    """log N(x_next; mean, std^2 I) per sample, summed over every dimension: [B]."""
+    z = (x_next - mean) / std
+    per_dim = -0.5 * z**2 - math.log(std) - 0.5 * math.log(2 * math.pi)
+    return per_dim.flatten(1).sum(dim=1)
+
+
+def sde_step(
+    x: torch.Tensor,
+    v: torch.Tensor,
+    t: float,
+    t_next: float,
+    noise_level: float,
+    t_cap: float,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One stochastic step: ``x_next`` [B, C, H, W] and its log-probability [B]."""
+    mean, std = sde_distribution(x, v, t, t_next, noise_level, t_cap)
+    noise = torch.randn(x.shape, generator=generator, dtype=x.dtype, device=x.device)
+    x_next = mean + std * noise
+    return x_next, gaussian_logprob(x_next, mean, std)
+
+
+def ode_step(x: torch.Tensor, v: torch.Tensor, t: float, t_next: float) -> torch.Tensor:
+    """One Euler step of the probability-flow ODE (evaluation pictures: no noise)."""
+    return x + (t_next - t) * v
