@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tqdm import tqdm
 
 
@@ -75,6 +76,21 @@ class MetricsLogger:
         if self.writer is not None:
             for key, value in scalars.items():
                 self.writer.add_scalar(key, float(value), step)
+
+    def image(self, step: int, tag: str, picture: np.ndarray) -> Path | None:
+        """A picture ([H, W, 3] uint8) as ``RUN_DIR/images/PROCESS_TAG_STEP.png`` and in
+        TensorBoard's image tab; returns the PNG's path."""
+        if not self.enabled:
+            return None
+        from PIL import Image
+
+        folder = self.run_dir / "images"
+        folder.mkdir(exist_ok=True)
+        path = folder / f"{self.process}_{tag.replace('/', '_')}_{step:06d}.png"
+        Image.fromarray(picture).save(path)
+        if self.writer is not None:
+            self.writer.add_image(tag, picture, step, dataformats="HWC")
+        return path
 
     def progress(self, steps: int, postfix: dict[str, Any] | None = None) -> None:
         if self.bar is not None:
