@@ -16,7 +16,7 @@ import pytest
 from asyncrl.elastic import Controller, ElasticConfig
 from asyncrl.sim import SimConfig, SimParams
 from asyncrl.sim.buffer import SimBuffer
-from asyncrl.sim.elastic import MoveCosts, Phases, run_cluster, study
+from asyncrl.sim.elastic import ElasticSimulation, MoveCosts, Phases, study
 from asyncrl.sim.gpu import GpuSpec, Workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ def test_responses_grow_by_the_length_schedule():
 
 
 def test_a_fixed_split_does_the_run_s_steps_without_a_move():
-    run = run_cluster(SMALL, GpuSpec(), (8, 8), 4, PHASES, COSTS, None)
+    run = ElasticSimulation(SMALL, GpuSpec(), (8, 8), 4, PHASES, COSTS, None).run_to_end()
     assert run.moves == [] and run.resize_s == 0 and set(run.seconds_at) == {4}
     assert run.seconds_at[4] == pytest.approx(run.time_s) and run.trained_tokens > 0
 
@@ -48,8 +48,10 @@ def test_a_starved_trainer_s_slots_move_to_generation_and_the_run_ends_sooner():
     """Started with one generating slot of eight, the controller adds slots (each move
     paid: the trainer restarts, the engines start), the books hold over every move, and
     the run ends sooner than at the split it started from."""
-    fixed = run_cluster(SMALL, GpuSpec(), (8, 8), 1, PHASES, COSTS, None)
-    elastic = run_cluster(SMALL, GpuSpec(), (8, 8), 1, PHASES, COSTS, Controller(CONTROL))
+    fixed = ElasticSimulation(SMALL, GpuSpec(), (8, 8), 1, PHASES, COSTS, None).run_to_end()
+    elastic = ElasticSimulation(
+        SMALL, GpuSpec(), (8, 8), 1, PHASES, COSTS, Controller(CONTROL)
+    ).run_to_end()
     ups = [m for m in elastic.moves if not m["reason"].startswith("undo")]
     assert ups and ups[0]["generator_slots"] == 2 and "trainer idle" in ups[0]["reason"]
     assert elastic.resize_s == COSTS.resize_s * len(elastic.moves)

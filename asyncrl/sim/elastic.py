@@ -256,6 +256,13 @@ class ElasticSimulation(Simulation):
                 self._move(move.delta, move.reason, s)
         self.loop.after(self.tick_s, self._tick)
 
+    def run_to_end(self) -> ClusterRun:
+        """The run to ``phases.steps`` trainer steps, its books checked."""
+        self.start()
+        self.loop.run(float("inf"), stop=lambda: self.done)
+        self.buffer.check_accounting()
+        return self.result()
+
     def result(self) -> ClusterRun:
         self._set_generating(self.gen_slots)
         return ClusterRun(
@@ -266,27 +273,6 @@ class ElasticSimulation(Simulation):
             seconds_at=dict(sorted(self.seconds_at.items())),
             resize_s=self.resize_s,
         )
-
-
-def run_cluster(
-    w: Workload,
-    gpu: GpuSpec,
-    slots: tuple[int, int],
-    generator_slots: int,
-    phases: Phases,
-    costs: MoveCosts,
-    controller: Controller | None,
-    max_staleness: int | None = 4,
-    seed: int = 0,
-) -> ClusterRun:
-    """One run to ``phases.steps`` trainer steps (see ``ElasticSimulation``)."""
-    sim = ElasticSimulation(
-        w, gpu, slots, generator_slots, phases, costs, controller, max_staleness, seed
-    )
-    sim.start()
-    sim.loop.run(float("inf"), stop=lambda: sim.done)
-    sim.buffer.check_accounting()
-    return sim.result()
 
 
 def study(
@@ -307,9 +293,15 @@ def study(
     splits = range(1, count - fewest_training + 1)
     elastic = dataclasses.replace(elastic, min_generators=1, max_generators=splits[-1])
     args = (w, gpu, slots)
-    fixed = {g: run_cluster(*args, g, phases, costs, None, max_staleness, seed) for g in splits}
+    fixed = {
+        g: ElasticSimulation(*args, g, phases, costs, None, max_staleness, seed).run_to_end()
+        for g in splits
+    }
     start = min(splits[-1], max(1, count // 2))
-    adaptive = run_cluster(*args, start, phases, costs, Controller(elastic), max_staleness, seed)
+    control = Controller(elastic)
+    adaptive = ElasticSimulation(
+        *args, start, phases, costs, control, max_staleness, seed
+    ).run_to_end()
     best = min(fixed, key=lambda g: fixed[g].time_s)
     return {
         "gpus": count * slot_gpus,
