@@ -37,6 +37,20 @@ def kill(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
+def under_way(engine: RemoteEngine) -> str:
+    """The id of a request the engine's server is generating: one that has tokens and has
+    not finished. The tiny model samples its EOS about one token in twenty, so a request
+    may end at its first token; then another is sent."""
+    for attempt in range(20):
+        rid = f"r{attempt}"
+        engine.submit(Request(rid, [3, 4, 5], SamplingParams(max_new_tokens=100)))
+        while not (out := engine.step()).tokens and not out.finished:  # sent at a step
+            pass
+        if not any(f.request_id == rid for f in out.finished):
+            return rid
+    raise AssertionError("20 requests in a row ended at their first tokens")
+
+
 def test_an_attached_server_that_stays_down_ends_the_engine_naming_it(
     tiny_model_dir, tmp_path, caplog
 ):
@@ -72,15 +86,13 @@ def test_an_idle_engine_reports_its_lost_server_in_its_status(tiny_model_dir, tm
     engine = RemoteEngine(tiny_model_dir, remote_config(urls=[url], dead_after_s=8).remote)
     try:
         post(url, "/slow_down", {"forward_sleep_time": 0.05})
-        engine.submit(Request("a", [3, 4, 5], SamplingParams(max_new_tokens=100)))
-        while not engine.step().tokens:  # sent at a step; under way once tokens come
-            pass
-        kill(proc)
+        rid = under_way(engine)
+        kill(proc)  # within a decode step (50 ms) of its last token: it is still running
         start = time.monotonic()
         while engine.status().metrics["engine/servers_down"] == 0:
             assert time.monotonic() - start < 20, "the lost server was never noticed"
             engine.step()
-        engine.abort("a")
+        engine.abort(rid)
         while (status := engine.status()).failure is None:
             assert time.monotonic() - start < 30, "no failure reported"
             time.sleep(0.2)
