@@ -178,6 +178,7 @@ def to_sample(group: Group, slot) -> Sample:
         loss_mask=[0] * prompt + (slot.loss_mask or [1] * len(slot.token_ids)),
         reward=slot.reward,
         finish_reason=slot.finish_reason,
+        frames=bytes(slot.frames),
     )
 
 

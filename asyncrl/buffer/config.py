@@ -5,6 +5,7 @@ as JSON in the run directory, read by every one of them)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -13,7 +14,8 @@ from asyncrl.engine.config import EngineConfig
 from asyncrl.engine.leases import SamplingConfig
 from asyncrl.metrics import MetricsConfig
 from asyncrl.models import ModelConfig
-from asyncrl.tasks import TaskConfig
+from asyncrl.tasks import TaskConfig, build_task
+from asyncrl.tasks.stream import TaskPrompts
 from asyncrl.transport import RunSite, TransportConfig
 
 
@@ -106,6 +108,11 @@ class RolloutConfig:
     """The generators' engine: ``backend`` and each backend's settings."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """The generators' TensorBoard switch and logging interval (the experiment's own)."""
+
+    def prompt_source(self) -> Callable[[int], tuple[int, list[int]]]:
+        """The buffer's prompts (``asyncrl.buffer.groups.PromptSource``): the task's
+        stream, rendered with the policy's tokenizer."""
+        return TaskPrompts(build_task(self.task), self.model.path, self.seed)
 
     def site(self) -> RunSite:
         """Where this run's processes meet (``run_dir``, ``run_id``, ``transport``)."""

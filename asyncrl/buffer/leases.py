@@ -131,6 +131,7 @@ class LeaseTable:
             slot.logprobs.extend(c.logprobs)
             slot.versions.extend(c.versions)
             slot.loss_mask.extend(c.loss_mask)  # episodes only: empty means all 1
+            slot.frames.extend(c.frames)  # pictures only
             counts["tokens_received"] += len(c.token_ids)
             if c.finished:
                 slot.env_reward = c.reward
@@ -290,6 +291,7 @@ class LeaseTable:
             prefix_logprobs=list(slot.logprobs),
             prefix_versions=list(slot.versions),
             prefix_mask=list(slot.loss_mask) if continued else [],
+            prefix_frames=bytes(slot.frames),
             min_version=self.groups.gate.min_version(st.version),
         )
 

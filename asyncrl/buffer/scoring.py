@@ -43,7 +43,8 @@ class Scoring:
         self.pool = RewardPool(cfg.task, reward)
         self.split = cfg.task.rl_split
         self.sampling = cfg.sampling  # its stop strings and tokens cut the verifier's text
-        self.tokenizer = load_tokenizer(cfg.model.path)
+        self._tokenizer_path = cfg.model.path
+        self._tokenizer = None  # loaded when first needed: pictures' rewards come with them
         self.reward_model: RewardModelScorer | None = None
         if reward.source != "verifier":
             self.reward_model = RewardModelScorer(
@@ -63,6 +64,13 @@ class Scoring:
             "model": {"model"},
             "mixed": {"verifier", "model"},
         }[reward.source]
+
+    @property
+    def tokenizer(self):
+        """The policy's tokenizer, which turns completions into the verifier's text."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self._tokenizer_path)
+        return self._tokenizer
 
     def text(self, completion: list[int]) -> str:
         """What the verifier reads: the decoded completion, cut at a stop string or stop

@@ -52,8 +52,6 @@ from asyncrl.buffer.wal import Journal, WriteAheadLog, replay
 from asyncrl.config import load_json
 from asyncrl.metrics import MetricsConfig, MetricsLogger
 from asyncrl.security import refused_peers
-from asyncrl.tasks import build_task
-from asyncrl.tasks.stream import TaskPrompts
 from asyncrl.transport import (
     bind,
     close_context,
@@ -335,8 +333,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", required=True, help="RolloutConfig JSON")
     args = parser.parse_args(argv)
     cfg: RolloutConfig = load_json(args.config)
-    prompts = TaskPrompts(build_task(cfg.task), cfg.model.path, cfg.seed)
-    buffer = RolloutBuffer(cfg.buffer, cfg.run_id, prompts, cfg.sampling.spec(cfg.seed))
+    buffer = RolloutBuffer(cfg.buffer, cfg.run_id, cfg.prompt_source(), cfg.sampling.spec(cfg.seed))
     server = BufferServer(cfg, buffer, Scoring(cfg))
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())

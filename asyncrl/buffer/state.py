@@ -38,6 +38,8 @@ class Slot(msgspec.Struct):
     loss_mask: list[int] = msgspec.field(default_factory=list)
     """Episodes: 1 for each token of ``token_ids`` the model generated, 0 for an
     environment's; empty (every single-turn sample): all 1."""
+    frames: bytearray = msgspec.field(default_factory=bytearray)
+    """Pictures: the frames received so far (``Chunk.frames``, concatenated)."""
     env_reward: float | None = None
     """An episode's reward, from its environment (then no verifier runs)."""
     finish_reason: str | None = None

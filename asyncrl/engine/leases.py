@@ -99,6 +99,8 @@ class PendingLease:
     """Episodes: the environment's reward, sent with the finishing chunk."""
     episode: EpisodeFigures | None = None
     """Episodes: the finished episode's figures (``Chunk.episode``)."""
+    frames: bytearray = field(default_factory=bytearray)
+    """Pictures: the frames of the steps in ``token_ids`` (``Chunk.frames``)."""
     whole_turns: bool = False
     """Episodes: tokens go out a whole turn at a time, never in timed chunks, so that a
     continued episode always starts at a turn's end."""

@@ -139,8 +139,10 @@ class Outbox:
             loss_mask=p.loss_mask,
             reward=p.reward if finished else None,
             episode=p.episode if finished else None,
+            frames=bytes(p.frames),
         )
         self.send(chunk)
         self.tokens_sent += len(p.token_ids)
         p.seq, p.last_flush = p.seq + 1, now
         p.token_ids, p.logprobs, p.versions, p.loss_mask = [], [], [], []
+        p.frames = bytearray()

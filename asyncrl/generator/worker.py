@@ -43,7 +43,7 @@ import zmq
 
 from asyncrl.buffer.config import RolloutConfig
 from asyncrl.config import ConfigError, load_json
-from asyncrl.engine.base import ServerFailed, StepOutput
+from asyncrl.engine.base import Request, ServerFailed, StepOutput
 from asyncrl.engine.embedded import EmbeddedEngine
 from asyncrl.engine.fit import fit_context
 from asyncrl.engine.leases import PendingLease, lease_request, record_tokens
@@ -192,7 +192,7 @@ class GeneratorWorker:
             self.episodes.start(lease, now)
             return
         try:
-            self.engine.submit(lease_request(lease))
+            self.engine.submit(self.request_of(lease))
         except ValueError as e:
             # A request the engine refuses (a prompt longer than its max_seq_len) would be
             # refused again wherever it went: it ends as an error, which fails its group in
@@ -202,6 +202,10 @@ class GeneratorWorker:
             self.outbox.chunk(PendingLease(lease), now, finished=True, reason="error")
             return
         self.pending[lease.lease_id] = PendingLease(lease, last_flush=now)
+
+    def request_of(self, lease: Lease) -> Request:
+        """The engine request that generates ``lease`` (a ValueError if it cannot)."""
+        return lease_request(lease)
 
     def _leave(self) -> None:
         """Hand every lease back and go. The tokens generated so far are sent first, then

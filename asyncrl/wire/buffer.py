@@ -50,6 +50,9 @@ class Lease(Message):
     prefix_mask: list[int] = []
     """Episodes: 1 for each prefix token the model generated, 0 for the environment's
     (observations); empty means all 1. An episode's prefix always ends at a turn's end."""
+    prefix_frames: bytes = b""
+    """Pictures: the frames an earlier holder sent (``Chunk.frames``, concatenated); the
+    generator continues from the last one."""
     min_version: int = -1
     """The oldest weights its tokens may come from: the trainer's version less η when it
     was issued (-1: no bound). A generator with older weights holds it until newer ones
@@ -109,6 +112,11 @@ class Chunk(Message):
     reward (no verifier runs)."""
     episode: EpisodeFigures | None = None
     """Episodes, on the finishing chunk: the episode's figures, for the buffer's metrics."""
+    frames: bytes = b""
+    """Pictures (``asyncrl.image``): the float32 frames of the denoising steps this chunk
+    reports, one per step (``token_ids`` holds the steps' indices), after the start
+    noise in a lease's first chunk. The buffer concatenates them in order; their meaning
+    is the image generator's and trainer's (``asyncrl.image.frames``)."""
 
 
 class Heartbeat(Message):
@@ -160,6 +168,8 @@ class Sample(msgspec.Struct, kw_only=True):
     loss_mask: list[int]
     reward: float
     finish_reason: str | None = None
+    frames: bytes = b""
+    """Pictures: every frame its chunks carried, in order (``Chunk.frames``)."""
 
 
 class Batch(Message):
