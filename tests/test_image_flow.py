@@ -47,7 +47,8 @@ def test_a_step_s_logprob_is_the_gaussian_s():
         mean, std = sde_distribution(x, v, t, t_next, 0.7, grid[1])
         direct = torch.distributions.Normal(mean, std).log_prob(x_next).flatten(1).sum(1)
         torch.testing.assert_close(logprob, direct, rtol=1e-5, atol=1e-3)
-        assert std == pytest.approx(sde_sigma(t, grid[1], 0.7) * math.sqrt(t - t_next))
+        want = sde_sigma(torch.tensor(t), grid[1], 0.7) * math.sqrt(t - t_next)
+        assert float(std) == pytest.approx(float(want), rel=1e-5)
     # Another point is less likely than the sample's own mean.
     assert (gaussian_logprob(mean, mean, std) > gaussian_logprob(mean + std, mean, std)).all()
 

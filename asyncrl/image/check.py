@@ -42,11 +42,13 @@ class Verdict:
 
     @property
     def success(self) -> bool:
-        return all(self.checks.values())
+        return bool(all(self.checks.values()))
 
     @property
     def reward(self) -> float:
-        return sum(self.checks.values()) / len(self.checks) if self.checks else 0.0
+        return (
+            float(sum(map(bool, self.checks.values()))) / len(self.checks) if self.checks else 0.0
+        )
 
 
 def colour_map(image: np.ndarray) -> np.ndarray:

@@ -32,43 +32,60 @@ def time_grid(steps: int, shift: float = 1.0) -> list[float]:
     return [float(t) for t in scheduler.sigmas]
 
 
-def sde_sigma(t: float, t_cap: float, noise_level: float) -> float:
+def sde_sigma(t: torch.Tensor, t_cap: float, noise_level: float) -> torch.Tensor:
     """``sigma_t = a sqrt(t / (1 - t))``, with ``t`` capped at ``t_cap`` under the root's
     denominator (the grid's first step below 1)."""
-    return noise_level * math.sqrt(t / (1.0 - min(t, t_cap)))
+    return noise_level * torch.sqrt(t / (1.0 - t.clamp(max=t_cap)))
 
 
 def sde_distribution(
-    x: torch.Tensor, v: torch.Tensor, t: float, t_next: float, noise_level: float, t_cap: float
-) -> tuple[torch.Tensor, float]:
+    x: torch.Tensor,
+    v: torch.Tensor,
+    t: float | torch.Tensor,
+    t_next: float | torch.Tensor,
+    noise_level: float,
+    t_cap: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The step from ``t`` to ``t_next`` < ``t`` as a Gaussian: its mean (the shape of
-    ``x``, [B, C, H, W]) and its standard deviation (one number: every dimension's)."""
-    dt = t - t_next
+    ``x``, [B, C, H, W]) and its standard deviation, the same in every dimension of a
+    sample. ``t`` and ``t_next`` are numbers (std: a 0-d tensor) or one per sample
+    ([B]: each sample at its own time, as a continuous batch is; std: [B])."""
+    t = torch.as_tensor(t, dtype=x.dtype, device=x.device)
+    t_next = torch.as_tensor(t_next, dtype=x.dtype, device=x.device)
     sigma = sde_sigma(t, t_cap, noise_level)
-    mean = x - dt * (v + sigma**2 / (2 * t) * (x + (1 - t) * v))
-    return mean, sigma * math.sqrt(dt)
+    per_sample = (-1,) + (1,) * (x.dim() - 1) if t.dim() else ()
+    dt, drift = (t - t_next).reshape(per_sample), (sigma**2 / (2 * t)).reshape(per_sample)
+    mean = x - dt * (v + drift * (x + (1 - t.reshape(per_sample)) * v))
+    return mean, sigma * torch.sqrt(t - t_next)
 
 
-def gaussian_logprob(x_next: torch.Tensor, mean: torch.Tensor, std: float) -> torch.Tensor:
-    """log N(x_next; mean, std^2 I) per sample, summed over every dimension: [B]."""
-    z = (x_next - mean) / std
-    per_dim = -0.5 * z**2 - math.log(std) - 0.5 * math.log(2 * math.pi)
-    return per_dim.flatten(1).sum(dim=1)
+def gaussian_logprob(x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """log N(x_next; mean, std^2 I) per sample, summed over every dimension: [B]. ``std``:
+    one number, or one per sample [B]."""
+    std = torch.as_tensor(std, dtype=x_next.dtype)
+    per_sample = std.reshape((-1,) + (1,) * (x_next.dim() - 1)) if std.dim() else std
+    z = (x_next - mean) / per_sample
+    dims = x_next[0].numel()
+    return -0.5 * z.pow(2).flatten(1).sum(1) - dims * (torch.log(std) + 0.5 * math.log(2 * math.pi))
 
 
 def sde_step(
     x: torch.Tensor,
     v: torch.Tensor,
-    t: float,
-    t_next: float,
+    t: float | torch.Tensor,
+    t_next: float | torch.Tensor,
     noise_level: float,
     t_cap: float,
     generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One stochastic step: ``x_next`` [B, C, H, W] and its log-probability [B]."""
+    """One stochastic step: ``x_next`` [B, C, H, W] and its log-probability [B]. The
+    noise is drawn from ``generator``, unless given (standard normal, the shape of x)."""
     mean, std = sde_distribution(x, v, t, t_next, noise_level, t_cap)
-    noise = torch.randn(x.shape, generator=generator, dtype=x.dtype, device=x.device)
-    x_next = mean + std * noise
+    if noise is None:
+        noise = torch.randn(x.shape, generator=generator, dtype=x.dtype, device=x.device)
+    per_sample = std.reshape((-1,) + (1,) * (x.dim() - 1)) if std.dim() else std
+    x_next = mean + per_sample * noise
     return x_next, gaussian_logprob(x_next, mean, std)
 
 

@@ -1,0 +1,161 @@
+"""The image engine (continuous batching over denoising steps, flips between steps) and
+Flow-GRPO's loss: the trainer's recomputed per-step log-probability is the generator's
+under the same weights, a picture interrupted by a flip carries two versions and its
+loss weighs each step by its own, and a picture continued from its frames ends where it
+would have."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncrl.algorithms.flow_grpo import PER_DIMENSION, flow_grpo_loss, step_logprobs, train_steps
+from asyncrl.algorithms.losses import PPOLossConfig
+from asyncrl.engine.image import ImageEngine, ImageRequest, ImageSamplingConfig, start_noise
+from asyncrl.image.frames import from_bytes, prompt_ids, prompt_text, to_bytes
+from asyncrl.image.model import ImageModelConfig, ImagePolicy
+
+SMALL = ImageModelConfig(layers=1, heads=2, head_dim=8, text_dim=16)
+SAMPLING = ImageSamplingConfig(steps=6, shift=3.0, noise_level=0.7)
+
+
+@pytest.fixture
+def policies():
+    """Weights version 0 and version 1 (the same, moved by noise)."""
+    torch.manual_seed(0)
+    first = ImagePolicy(SMALL)
+    second = {k: v + 0.05 * torch.randn_like(v) for k, v in first.state_dict().items()}
+    return first, second
+
+
+def run(engine: ImageEngine, until=None) -> dict[str, list]:
+    """Step until every picture is done (or ``until(step number)`` says stop): {request
+    id: [(GeneratedToken, frames)]}, one per step taken; finished ids in ``run.done``."""
+    records: dict[str, list] = {}
+    count = 0
+    while engine.status().running and not (until and until(count)):
+        out = engine.step()
+        for token in out.tokens:
+            records.setdefault(token.request_id, []).append((token, out.frames[token.request_id]))
+        run.done += [f.request_id for f in out.finished]
+        count += 1
+    return records
+
+
+run.done = []
+
+
+def frames_of(records) -> torch.Tensor:
+    return torch.cat([frames for _, frames in records])
+
+
+def column(records, name: str) -> list:
+    return [getattr(token, name) for token, _ in records]
+
+
+def test_pictures_at_different_steps_share_a_batch_and_do_not_depend_on_it(policies):
+    policy, _ = policies
+    engine = ImageEngine(policy, SAMPLING)
+    engine.submit(ImageRequest("a", "a red square", seed=1))
+    first = run(engine, until=lambda n: n == 3)
+    engine.submit(ImageRequest("b", "two blue circles", seed=2))
+    out = engine.step()
+    assert sorted((t.request_id, t.token_id) for t in out.tokens) == [("a", 3), ("b", 0)]
+    rest = run(engine)
+    a = first["a"] + [(t, out.frames["a"]) for t in out.tokens if t.request_id == "a"] + rest["a"]
+    assert column(a, "token_id") == list(range(SAMPLING.steps)) and "a" in run.done
+    assert a[0][1].shape[0] == 2 and torch.equal(a[0][1][0], start_noise(1))
+    assert all(frames.shape[0] == 1 for _, frames in a[1:])
+    alone = ImageEngine(ImagePolicy(SMALL), SAMPLING)
+    alone.policy.load_state_dict(policy.state_dict())
+    alone.submit(ImageRequest("a", "a red square", seed=1))
+    torch.testing.assert_close(frames_of(run(alone)["a"]), frames_of(a), rtol=1e-4, atol=1e-4)
+
+
+def test_the_trainer_recomputes_the_generator_s_step_logprobs(policies):
+    policy, _ = policies
+    engine = ImageEngine(policy, SAMPLING)
+    prompts = ["a red square", "three green circles", "a blue circle left of a red square"]
+    for i, prompt in enumerate(prompts):
+        engine.submit(ImageRequest(str(i), prompt, seed=10 + i))
+    records = run(engine)
+    frames = torch.stack([frames_of(records[str(i)]) for i in range(3)])
+    steps = torch.arange(SAMPLING.steps).repeat(3, 1)
+    with torch.no_grad():
+        again = step_logprobs(policy, frames, prompts, steps, engine.grid, SAMPLING.noise_level)
+    behavior = torch.tensor([column(records[str(i)], "logprob") for i in range(3)])
+    torch.testing.assert_close(again, behavior, rtol=1e-5, atol=0.05)
+    # Not any number would do: a first step to another picture's frame is far less likely.
+    crossed = torch.cat([frames[:, :1], frames.flip(0)[:, 1:]], dim=1)
+    with torch.no_grad():
+        other = step_logprobs(policy, crossed, prompts, steps, engine.grid, 0.7)
+    assert (other[[0, 2], 0] < behavior[[0, 2], 0] - 1000).all()
+
+
+def test_a_flip_between_steps_gives_a_picture_two_versions_and_its_loss_weighs_each(policies):
+    policy, newer = policies
+    engine = ImageEngine(policy, SAMPLING)
+    engine.submit(ImageRequest("a", "two red squares", seed=3))
+    records = run(engine, until=lambda n: n == 2)["a"]
+    engine.stage_weights(newer, version=1)
+    records += run(engine)["a"]
+    versions = column(records, "version")
+    assert versions == [0, 0, 1, 1, 1, 1]
+    frames = frames_of(records).unsqueeze(0)
+    steps = torch.arange(SAMPLING.steps).unsqueeze(0)
+    behavior = torch.tensor([column(records, "logprob")])
+    with torch.no_grad():  # the trainer holds version 1: its proximal policy
+        proximal = step_logprobs(policy, frames, ["two red squares"], steps, engine.grid, 0.7)
+    drift = (proximal - behavior) * PER_DIMENSION
+    assert drift[0, 2:].abs().max() < 1e-6  # taken under the trainer's weights
+    assert drift[0, :2].abs().min() > 1e-5  # taken under the older ones
+    logprobs = proximal.clone().requires_grad_(True)
+    cfg = PPOLossConfig(clip_low=1e-3, clip_high=1e-3)
+    loss, metrics = flow_grpo_loss(logprobs, proximal, behavior, torch.tensor([1.0]), cfg)
+    loss.backward()
+    weights = -logprobs.grad[0] / PER_DIMENSION  # ratio 1 at the proximal: grad = -w·A/D
+    torch.testing.assert_close(weights, torch.exp(drift[0]).clamp(max=cfg.iw_cap))
+    assert metrics["train/importance_weight"] == pytest.approx(float(weights.sum()), rel=1e-5)
+
+
+def test_a_picture_continued_from_its_frames_ends_where_it_would_have(policies):
+    policy, _ = policies
+    whole = ImageEngine(policy, SAMPLING)
+    whole.submit(ImageRequest("a", "a yellow circle above a green square", seed=5))
+    uninterrupted = frames_of(run(whole)["a"])
+    first = ImageEngine(policy, SAMPLING)
+    first.submit(ImageRequest("a", "a yellow circle above a green square", seed=5))
+    sent = to_bytes(frames_of(run(first, until=lambda n: n == 4)["a"]))  # a crash here
+    second = ImageEngine(policy, SAMPLING)
+    second.submit(ImageRequest("a", "a yellow circle above a green square", 5, from_bytes(sent)))
+    rest = run(second)["a"]
+    assert column(rest, "token_id") == [4, 5] and rest[0][1].shape[0] == 1
+    continued = torch.cat([from_bytes(sent), frames_of(rest)])
+    torch.testing.assert_close(continued, uninterrupted, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_requests_and_frames_are_named():
+    engine = ImageEngine(ImagePolicy(SMALL), SAMPLING)
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.submit(ImageRequest("x", "a purple square", seed=0))
+    with pytest.raises(ValueError, match="'y'.*frames"):
+        engine.submit(ImageRequest("y", "a red square", 0, torch.zeros(7, 3, 32, 32)))
+    with pytest.raises(ValueError, match="do not fit"):
+        engine.stage_weights({"transformer.nothing": torch.zeros(1)}, version=1)
+    with pytest.raises(ValueError, match="whole number"):
+        from_bytes(b"\0" * 100, "chunk 3")
+    assert prompt_text(prompt_ids("two red squares left of a blue circle")) == (
+        "two red squares left of a blue circle"
+    )
+    with pytest.raises(ValueError, match="not words"):
+        prompt_text([0, 999])
+
+
+def test_training_steps_are_a_subset_of_each_picture_s_steps():
+    steps = train_steps(10, 4, torch.Generator().manual_seed(0), n=8)
+    assert steps.shape == (8, 4)
+    for row in steps.tolist():
+        assert row == sorted(set(row)) and all(0 <= k < 10 for k in row)
+    assert len({tuple(r) for r in steps.tolist()}) > 1
+    with pytest.raises(ValueError, match="1 to 10"):
+        train_steps(10, 11, torch.Generator(), n=1)
