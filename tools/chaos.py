@@ -31,6 +31,8 @@ directory (read by ``tools/chaos_books.py``):
                                              samples_served_untrained), samples in it more
                                              than once, steps absent from it
     batches_served_again, steps_not_replayable, leases_reissued   buffer counters
+    leases_continued                         buffer counter: leases re-issued with the tokens
+                                             (a picture's steps and frames) a dead holder sent
     tokens_revoked_alive                     buffer counter: tokens streamed into leases
                                              taken from live generators (lost chunks)
     episodes_continued                       multi-turn tasks: episodes re-issued after a
@@ -79,7 +81,7 @@ from chaos_books import (
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = {
     "buffer": "asyncrl.buffer.server",
-    "generator": "asyncrl.generator.worker",
+    "generator": "asyncrl.generator.",
     "trainer": "asyncrl.stages.",
 }
 """What ``-m`` a process of each role runs (the trainer's module is the stage's)."""

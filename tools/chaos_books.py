@@ -129,6 +129,7 @@ def books(counters: dict, lineage_figures: dict) -> dict[str, Any]:
             "batches_served_again",
             "steps_not_replayable",
             "leases_reissued",
+            "leases_continued",
             "tokens_revoked_alive",
             "episodes_continued",
             "episode_replay_mismatches",
