@@ -1,0 +1,110 @@
+"""Preference pairs of the image policy's own pictures, ranked by the judge: what the
+image reward model and Diffusion-DPO train on (as ``tiny_rm``'s pairs are the text
+policy's own completions, ranked by the verifier).
+
+For each prompt the policy draws ``per_prompt`` pictures (ODE from distinct seeds: the
+policy's own distribution, deterministic given the seeds); the judge scores each by the
+share of the scene's checks it passes (``asyncrl.image.check``), and the best and the
+worst make a pair when their scores differ. Pairs of training scenes train; pairs of
+held-out scenes measure.
+
+A pair file is one ``.npz``: ``prompts`` (str), ``chosen`` and ``rejected`` (uint8
+pictures [P, H, W, 3]) and their scores.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from asyncrl.image.check import judge
+from asyncrl.image.model import ImagePolicy
+from asyncrl.image.sample import generate
+from asyncrl.image.scenes import Scene
+
+
+@dataclass
+class PicturePairs:
+    prompts: list[str]
+    chosen: np.ndarray
+    """[P, H, W, 3] uint8: the better-judged picture of each pair."""
+    rejected: np.ndarray
+    chosen_score: np.ndarray
+    """[P]: the share of its scene's checks each picture passes."""
+    rejected_score: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def save(self, path: str | Path) -> None:
+        """Write ``path`` (an ``.npz``) whole or not at all."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.stem + ".partial.npz")
+        np.savez_compressed(
+            partial,
+            prompts=np.array(self.prompts),
+            chosen=self.chosen,
+            rejected=self.rejected,
+            chosen_score=self.chosen_score,
+            rejected_score=self.rejected_score,
+        )
+        os.replace(partial, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> PicturePairs:
+        with np.load(path) as data:
+            return cls(
+                [str(p) for p in data["prompts"]],
+                data["chosen"],
+                data["rejected"],
+                data["chosen_score"],
+                data["rejected_score"],
+            )
+
+
+def make_pairs(
+    policy: ImagePolicy,
+    scenes: list[Scene],
+    per_prompt: int,
+    steps: int,
+    shift: float,
+    seed: int,
+    batch: int = 64,
+) -> PicturePairs:
+    """One pair per scene whose ``per_prompt`` pictures the judge does not score all
+    alike (scene ``i``'s pictures from seeds ``seed + i·per_prompt + k``)."""
+    was_training = policy.training
+    policy.eval()
+    prompts = [s.prompt for s in scenes for _ in range(per_prompt)]
+    seeds = [seed + i for i in range(len(prompts))]
+    pictures = torch.cat(
+        [
+            generate(policy, prompts[i : i + batch], seeds[i : i + batch], steps, shift)
+            for i in range(0, len(prompts), batch)
+        ]
+    ).numpy()
+    policy.train(was_training)
+    out: dict[str, list] = {k: [] for k in ("prompts", "chosen", "rejected", "cs", "rs")}
+    for i, scene in enumerate(scenes):
+        group = pictures[i * per_prompt : (i + 1) * per_prompt]
+        scores = np.array([judge(p, scene).reward for p in group])
+        best, worst = int(scores.argmax()), int(scores.argmin())
+        if scores[best] > scores[worst]:
+            out["prompts"].append(scene.prompt)
+            out["chosen"].append(group[best])
+            out["rejected"].append(group[worst])
+            out["cs"].append(scores[best])
+            out["rs"].append(scores[worst])
+    empty = np.zeros((0, *pictures.shape[1:]), dtype=np.uint8)
+    return PicturePairs(
+        out["prompts"],
+        np.stack(out["chosen"]) if out["chosen"] else empty,
+        np.stack(out["rejected"]) if out["rejected"] else empty,
+        np.array(out["cs"], dtype=np.float32),
+        np.array(out["rs"], dtype=np.float32),
+    )
