@@ -256,6 +256,7 @@ def report(run_dir: str | Path, minutes: list[float]) -> dict[str, Any]:
     steps = [r for r in trainer if "train/loss" in r]
     train_time = summary.get("train_time_s") or (trainer[-1]["time"] if trainer else None)
     trained = [r["train/tokens"] for r in steps if "train/tokens" in r]
+    per_step = [r["train/tokens_per_s"] for r in steps if "train/tokens_per_s" in r]  # text only
     gens = generator_figures(records, run_dir)
 
     def worst(key: str) -> float | None:
@@ -272,7 +273,7 @@ def report(run_dir: str | Path, minutes: list[float]) -> dict[str, Any]:
         "wall_time_s": summary.get("wall_time_s"),
         "train_time_s": train_time,
         "trained_tokens_per_s": _ratio(sum(trained), train_time) if trained else None,
-        "train_step_tokens_per_s": _ratio(sum(r["train/tokens_per_s"] for r in steps), len(steps)),
+        "train_step_tokens_per_s": _ratio(sum(per_step), len(per_step)) if per_step else None,
         **generator_totals(gens),
         "trainer_idle_fraction": _ratio(
             sum(r.get("train/wait_for_batch_s", 0.0) for r in steps), train_time

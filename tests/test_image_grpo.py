@@ -17,6 +17,7 @@ from asyncrl.image.frames import prompt_ids, to_bytes
 from asyncrl.image.model import ImageModelConfig, ImagePolicy
 from asyncrl.loop.pictures import PictureBatch
 from asyncrl.metrics import read_metrics
+from asyncrl.report import report
 from asyncrl.wire import Sample
 
 from .test_chaos import run_chaos
@@ -103,6 +104,8 @@ def test_async_flow_grpo_trains_on_streamed_pictures(small_policy, tmp_path):
     assert counters["buffer/newest_consumed_version"] >= 2  # the generator took new weights
     ledger = (run_dir / "ledger" / "rank0.jsonl").read_text().splitlines()
     assert len(ledger) == 4
+    figures = report(str(run_dir), [0.0])  # tools/run_report.py reads image runs too
+    assert figures["steps"] == 4 and sum(figures["staleness_histogram"].values()) == 16
 
 
 def test_a_generator_killed_mid_picture_loses_nothing(small_policy, tmp_path):

@@ -284,8 +284,8 @@ def batch_scalars(pictures: PictureBatch, step: int, waited: float, sync_s: floa
         "rollout/versions_per_picture": float(
             sum(len(set(row)) for row in pictures.versions.tolist()) / len(pictures.prompts)
         ),
-        "perf/wait_batch_s": waited,
-        "perf/weight_sync_s": sync_s,
+        "train/wait_for_batch_s": waited,
+        "train/weight_publish_s": sync_s,
     }
 
 
