@@ -38,6 +38,12 @@ def sde_sigma(t: torch.Tensor, t_cap: float, noise_level: float) -> torch.Tensor
     return noise_level * torch.sqrt(t / (1.0 - t.clamp(max=t_cap)))
 
 
+def per_sample(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``values`` (one number, or one per sample [B]) shaped to broadcast over ``like``
+    [B, C, H, W]."""
+    return values.reshape((-1,) + (1,) * (like.dim() - 1)) if values.dim() else values
+
+
 def sde_distribution(
     x: torch.Tensor,
     v: torch.Tensor,
@@ -53,9 +59,8 @@ def sde_distribution(
     t = torch.as_tensor(t, dtype=x.dtype, device=x.device)
     t_next = torch.as_tensor(t_next, dtype=x.dtype, device=x.device)
     sigma = sde_sigma(t, t_cap, noise_level)
-    per_sample = (-1,) + (1,) * (x.dim() - 1) if t.dim() else ()
-    dt, drift = (t - t_next).reshape(per_sample), (sigma**2 / (2 * t)).reshape(per_sample)
-    mean = x - dt * (v + drift * (x + (1 - t.reshape(per_sample)) * v))
+    dt, drift = per_sample(t - t_next, x), per_sample(sigma**2 / (2 * t), x)
+    mean = x - dt * (v + drift * (x + (1 - per_sample(t, x)) * v))
     return mean, sigma * torch.sqrt(t - t_next)
 
 
@@ -63,8 +68,7 @@ def gaussian_logprob(x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor
     """log N(x_next; mean, std^2 I) per sample, summed over every dimension: [B]. ``std``:
     one number, or one per sample [B]."""
     std = torch.as_tensor(std, dtype=x_next.dtype)
-    per_sample = std.reshape((-1,) + (1,) * (x_next.dim() - 1)) if std.dim() else std
-    z = (x_next - mean) / per_sample
+    z = (x_next - mean) / per_sample(std, x_next)
     dims = x_next[0].numel()
     return -0.5 * z.pow(2).flatten(1).sum(1) - dims * (torch.log(std) + 0.5 * math.log(2 * math.pi))
 
@@ -84,8 +88,7 @@ def sde_step(
     mean, std = sde_distribution(x, v, t, t_next, noise_level, t_cap)
     if noise is None:
         noise = torch.randn(x.shape, generator=generator, dtype=x.dtype, device=x.device)
-    per_sample = std.reshape((-1,) + (1,) * (x.dim() - 1)) if std.dim() else std
-    x_next = mean + per_sample * noise
+    x_next = mean + per_sample(std, x) * noise
     return x_next, gaussian_logprob(x_next, mean, std)
 
 
