@@ -28,7 +28,7 @@ from asyncrl.stages.common import ProcessSpec, out_of_time, stage_main, trainer_
 from asyncrl.stages.image_pairs import ImagePairsConfig, load_or_make
 from asyncrl.stages.image_sft import ImageEvalConfig, judge_and_show
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
-from asyncrl.trainer.core import lr_lambda
+from asyncrl.trainer.core import adamw
 from asyncrl.trainer.dist import DistInfo
 
 
@@ -103,11 +103,7 @@ def run(cfg: ImageDPOExperiment, info: DistInfo) -> dict:
     pairs = load_or_make(cfg.pairs, held_out=False)
     policy = ImagePolicy.load(cfg.pairs.policy)
     reference = copy.deepcopy(policy).requires_grad_(False)
-    o = cfg.optim
-    opt = torch.optim.AdamW(
-        policy.parameters(), o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
-    )
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(o))
+    opt, schedule = adamw(policy.parameters(), cfg.optim)
     log = MetricsLogger(cfg.run_dir, "trainer", cfg.metrics, info.is_main, cfg.max_steps)
     held_out = sample_scenes(cfg.eval.num_scenes, held_out=True, seed=cfg.seed)
     initial = judged = judge_and_show(policy, held_out, cfg.eval, log, 0)

@@ -52,7 +52,7 @@ from asyncrl.stages.common import ProcessSpec, out_of_time, stage_main, trainer_
 from asyncrl.stages.image_sft import ImageEvalConfig, judge_and_show
 from asyncrl.stages.rl import Ledger
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
-from asyncrl.trainer.core import lr_lambda
+from asyncrl.trainer.core import adamw
 from asyncrl.trainer.dist import DistInfo
 from asyncrl.transport import RunSite, TransportConfig
 from asyncrl.weights.sender import BucketPublisher
@@ -207,15 +207,12 @@ def setup(cfg: ImageGRPOExperiment, info: DistInfo) -> Parts:
     torch.manual_seed(cfg.seed)
     policy = ImagePolicy.load(cfg.model.path)
     reference = copy.deepcopy(policy).requires_grad_(False) if cfg.rl.loss.kl_coef else None
-    o = cfg.optim
-    opt = torch.optim.AdamW(
-        policy.parameters(), o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
-    )
+    opt, schedule = adamw(policy.parameters(), cfg.optim)
     return Parts(
         policy,
         reference,
         opt,
-        torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(o)),
+        schedule,
         MetricsLogger(cfg.run_dir, "trainer", cfg.metrics, info.is_main, cfg.rl.max_steps),
         sample_scenes(cfg.eval.num_scenes, held_out=True, seed=cfg.seed),
         BufferClient(cfg.run_dir, cfg.run_id, info.rank, cfg.transport),

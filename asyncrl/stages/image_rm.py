@@ -24,7 +24,7 @@ from asyncrl.metrics import MetricsConfig, MetricsLogger
 from asyncrl.stages.common import ProcessSpec, out_of_time, stage_main, trainer_ranks
 from asyncrl.stages.image_pairs import ImagePairsConfig, load_or_make
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
-from asyncrl.trainer.core import lr_lambda
+from asyncrl.trainer.core import adamw
 from asyncrl.trainer.dist import DistInfo
 
 
@@ -100,10 +100,7 @@ def run(cfg: ImageRMExperiment, info: DistInfo) -> dict:
     )
     scorer = PictureScorer(cfg.scorer)
     o = cfg.optim
-    opt = torch.optim.AdamW(
-        scorer.parameters(), o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
-    )
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(o))
+    opt, schedule = adamw(scorer.parameters(), o)
     log = MetricsLogger(cfg.run_dir, "trainer", cfg.metrics, info.is_main, cfg.max_steps)
     log.log(0, {"eval/ranking_accuracy": (initial := ranking_accuracy(scorer, held_out))})
     order = torch.Generator().manual_seed(cfg.seed)

@@ -31,7 +31,7 @@ from asyncrl.image.scenes import sample_scenes
 from asyncrl.metrics import MetricsConfig, MetricsLogger
 from asyncrl.stages.common import ProcessSpec, out_of_time, stage_main, trainer_ranks
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
-from asyncrl.trainer.core import lr_lambda
+from asyncrl.trainer.core import adamw
 from asyncrl.trainer.dist import DistInfo
 
 
@@ -118,10 +118,7 @@ def run(cfg: ImageSFTExperiment, info: DistInfo) -> dict:
     torch.manual_seed(cfg.seed)
     policy = ImagePolicy.load(cfg.sft.init_path) if cfg.sft.init_path else ImagePolicy(cfg.model)
     o = cfg.optim
-    opt = torch.optim.AdamW(
-        policy.parameters(), o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
-    )
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(o))
+    opt, schedule = adamw(policy.parameters(), o)
     log = MetricsLogger(cfg.run_dir, "trainer", cfg.metrics, info.is_main, cfg.sft.max_steps)
     held_out = sample_scenes(cfg.eval.num_scenes, held_out=True, seed=cfg.seed)
     judged = judge_and_show(policy, held_out, cfg.eval, log, 0)

@@ -72,6 +72,15 @@ def lr_lambda(cfg: OptimConfig) -> Callable[[int], float]:
     return factor
 
 
+def adamw(params, cfg: OptimConfig) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over ``params`` (parameters or parameter groups) as ``cfg`` sets it, and its
+    schedule (``lr_lambda``)."""
+    opt = torch.optim.AdamW(
+        params, cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay
+    )
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+
+
 @dataclass
 class StepStats:
     loss: float
@@ -180,14 +189,7 @@ class TrainerCore:
         self.model = sharded_model(model_cfg, info, trainer_cfg)
         self.model_cfg = model_cfg
         self.readout = ParameterReadout(self.model)
-        self.optimizer = torch.optim.AdamW(
-            param_groups(self.model, optim_cfg),
-            lr=optim_cfg.lr,
-            betas=(optim_cfg.beta1, optim_cfg.beta2),
-            eps=optim_cfg.eps,
-            weight_decay=optim_cfg.weight_decay,
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim_cfg))
+        self.optimizer, self.scheduler = adamw(param_groups(self.model, optim_cfg), optim_cfg)
         # The stage's step (in RL, the policy version): its loop advances it, a checkpoint
         # saves it; train_step leaves it alone.
         self.step = 0
