@@ -278,3 +278,53 @@ def test_a_slurm_job_repairs_killed_generator_buffer_and_trainer_losing_nothing(
     for step in ("generator_0", "buffer", "trainer"):
         assert re.search(rf"\[launch\] {step} exited with code \d+; restart 1 of {step}", output)
     wait_for(lambda: processes_of(run_dir) == [], 30, "every process to exit")
+
+
+@pytest.mark.slurm
+def test_a_generator_step_joins_and_leaves_a_slurm_job_losing_nothing(
+    tmp_path, tiny_model_dir, slurm_cluster
+):
+    """Scale-out and scale-in on Slurm: asking the running job for two generators starts a
+    second generator step in the job's allocation, which attaches to the buffer and sends
+    tokens; asking for one again drains that step (``scancel --signal=USR1`` to its task):
+    it hands its leases back, exits drained and is not restarted, and the run trains on.
+    The buffer's books, written when ``scancel`` stops the job, balance with 0 lost."""
+    job, run_dir = submit(tmp_path, tiny_model_dir, "rl.max_steps=100000", "time_limit_s=600")
+    control = run_dir / "control" / "generators"
+    try:
+        wait_for(lambda: trained_steps(run_dir), 120, "a trained step")
+        control.write_text("2\n")
+        wait_for(
+            lambda: any(
+                r["process"] == "generator_g1" and r.get("generator/tokens", 0) > 0
+                for r in read_metrics(run_dir)
+            ),
+            120,
+            "the second generator's first tokens",
+        )
+        control.write_text("1\n")
+        wait_for(
+            lambda: "generator_1 left the run, drained" in job_output(run_dir, job),
+            120,
+            "the second generator to leave",
+        )
+        after = len(trained_steps(run_dir))
+        wait_for(lambda: len(trained_steps(run_dir)) >= after + 3, 120, "steps after it left")
+    finally:
+        subprocess.run(["scancel", job], check=True)
+    wait_for(lambda: job_gone(job), 60, f"job {job} to stop")
+    output = job_output(run_dir, job)
+    assert "generators: started generator_1 (wanted: 2)" in output, output[-3000:]
+    assert "generators: draining generator_1 (wanted: 1)" in output
+    assert not re.search(r"; restart \d+ of", output), output[-3000:]  # nothing died
+    left = json.loads((run_dir / "generator_g1_summary.json").read_text())
+    assert left["tokens"] > 0
+    c = json.loads((run_dir / "buffer_counters.json").read_text())
+    ended = sum(
+        c.get(f"buffer/samples_{k}", 0) for k in ("consumed", "stale", "filtered", "failed")
+    )
+    assert c["buffer/samples_created"] == ended + c["buffer/in_flight_samples"], c
+    assert c.get("buffer/leases_revoked_drained", 0) == left["leases_handed_back"]
+    assert c.get("buffer/leases_revoked_holder_silent", 0) == 0
+    assert c["buffer/tokens_revoked_alive"] == 0
+    wait_for(lambda: processes_of(run_dir) == [], 30, "every process to exit")

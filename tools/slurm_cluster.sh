@@ -11,7 +11,7 @@
 #
 # Needs root (packages, /etc, daemons) and works without systemd: every daemon is started
 # and stopped here by hand. This host is the controller and the only compute node; its CPUs
-# and memory are read from the machine. The cgroup-free plugins (proctrack/linuxproc,
+# and memory are read from the machine (CPUs: at least 4, see write_conf). The cgroup-free plugins (proctrack/linuxproc,
 # task/none, no cgroup.conf) are what make slurmd run in a container without systemd.
 set -euo pipefail
 
@@ -65,7 +65,11 @@ write_conf() {
   fi
   local host cpus mem_mb
   host=$(hostname -s)
-  cpus=$(nproc)
+  # At least 4 CPUs are declared, more than a 2-core machine has (tasks are not bound, so
+  # steps share the cores as the local launcher's processes do): a run's buffer, generator
+  # and trainer steps leave a slot free, which is what a generator step that joins the
+  # running job (scale-out, tests/test_slurm.py) needs on a one-node cluster.
+  cpus=$(( $(nproc) > 4 ? $(nproc) : 4 ))
   # 80% of the machine for jobs; the rest stays with the OS and the daemons.
   mem_mb=$(awk '/^MemTotal:/ {printf "%d", $2 / 1024 * 0.8}' /proc/meminfo)
   install -d "$CONF_DIR" "$LOG_DIR" "$RUN_DIR" "$STATE_DIR/slurmctld" "$STATE_DIR/slurmd"
@@ -82,6 +86,8 @@ TaskPlugin=task/none
 MpiDefault=none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
+# The node's declared CPUs stand, even where the machine has fewer.
+SlurmdParameters=config_overrides
 # Without a default a job takes all of the node's memory and every other job pends.
 DefMemPerCPU=$((mem_mb / cpus))
 StateSaveLocation=$STATE_DIR/slurmctld
