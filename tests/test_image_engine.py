@@ -159,3 +159,32 @@ def test_training_steps_are_a_subset_of_each_picture_s_steps():
     assert len({tuple(r) for r in steps.tolist()}) > 1
     with pytest.raises(ValueError, match="1 to 10"):
         train_steps(10, 11, torch.Generator(), n=1)
+
+
+def test_past_the_sde_window_steps_are_the_ode_s_without_a_log_probability(policies):
+    """With ``sde_steps=2`` of 6, steps 0-1 are the SDE's (as without a window: same frames,
+    the trainer recomputes their log-probabilities) and steps 2-5 the ODE's from there:
+    log-probability 0, frames the deterministic Euler steps of the policy's velocity."""
+    policy, _ = policies
+    window = ImageSamplingConfig(steps=6, shift=3.0, noise_level=0.7, sde_steps=2)
+    assert window.stochastic_steps == 2 and SAMPLING.stochastic_steps == 6
+    full, part = ImageEngine(policy, SAMPLING), ImageEngine(policy, window)
+    for engine in (full, part):
+        engine.submit(ImageRequest("a", "two red squares", seed=3))
+    sde, mixed = frames_of(run(full)["a"]), run(part)["a"]
+    frames, logprobs = frames_of(mixed), column(mixed, "logprob")
+    torch.testing.assert_close(frames[:3], sde[:3], rtol=1e-5, atol=1e-5)
+    assert all(lp < -100 for lp in logprobs[:2]) and logprobs[2:] == [0.0] * 4
+    grid = part.grid
+    with torch.no_grad():
+        for k in range(2, 6):
+            v = policy.velocity(frames[k : k + 1], torch.tensor([grid[k]]), ["two red squares"])
+            expected = frames[k] + (grid[k + 1] - grid[k]) * v[0]
+            torch.testing.assert_close(frames[k + 1], expected, rtol=1e-5, atol=1e-5)
+        again = step_logprobs(
+            policy, frames.unsqueeze(0), ["two red squares"], torch.tensor([[0, 1]]), grid, 0.7
+        )
+    torch.testing.assert_close(again[0], torch.tensor(logprobs[:2]), rtol=1e-5, atol=0.05)
+    assert not torch.allclose(frames[-1], sde[-1], atol=1e-2)  # the window changed the picture
+    with pytest.raises(ValueError, match="sde_steps"):
+        ImageSamplingConfig(steps=6, sde_steps=7).check()

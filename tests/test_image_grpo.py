@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from asyncrl.config import ConfigError
 from asyncrl.image.frames import prompt_ids, to_bytes
 from asyncrl.image.model import ImageModelConfig, ImagePolicy
+from asyncrl.launcher.prepare import resolve
 from asyncrl.loop.pictures import PictureBatch
 from asyncrl.metrics import read_metrics
 from asyncrl.report import report
@@ -73,6 +75,12 @@ def test_a_batch_of_pictures_has_its_steps_frames_and_group_advantages():
         PictureBatch.of([picture(3, 1, 0.0, frames=3)], steps=3)
     with pytest.raises(ValueError, match="unequal sizes"):
         PictureBatch.of(samples[:3], steps=3).advantages(scale_by_std=False)
+
+
+def test_trained_steps_must_lie_in_the_sde_window():
+    resolve("experiments/image_grpo.py", ["image.sde_steps=4", "rl.train_steps=4"])
+    with pytest.raises(ConfigError, match="rl.train_steps=4 must be 1 to the SDE steps .3"):
+        resolve("experiments/image_grpo.py", ["image.sde_steps=3", "rl.train_steps=4"])
 
 
 def test_async_flow_grpo_trains_on_streamed_pictures(small_policy, tmp_path):

@@ -6,7 +6,8 @@ any (``asyncrl.image.frames``). Every ``step()`` runs the policy once over up to
 ``max_batch`` pictures, each at its own time on the grid, so pictures that started at
 different moments share one batch (a new request joins at the next step, a finished one
 leaves its place at once), and takes one SDE step for each (``asyncrl.image.flow``): the
-new frame, its log-probability under this step's weights, and their version.
+new frame, its log-probability under this step's weights, and their version. Past
+``sde_steps`` a step is the ODE's, with no log-probability (0).
 
 Weights staged with ``stage_weights`` are swapped in at the start of the next step, never
 within one: every step's version is exact, and a picture whose steps span a flip carries
@@ -35,7 +36,7 @@ from pathlib import Path
 import torch
 
 from asyncrl.engine.base import EngineStatus, Finished, GeneratedToken, StepOutput, Weights
-from asyncrl.image.flow import sde_step, time_grid
+from asyncrl.image.flow import ode_step, per_sample, sde_step, time_grid
 from asyncrl.image.model import ImagePolicy
 from asyncrl.image.render import SIZE
 from asyncrl.seeds import derive_seed
@@ -53,6 +54,16 @@ class ImageSamplingConfig:
     """``a`` of the SDE's ``sigma_t = a sqrt(t / (1 - t))`` (Flow-GRPO's 0.7): more noise
     explores more and makes each step's log-probability less peaked; 0 would be the ODE,
     which has no log-probability."""
+    sde_steps: int = 0
+    """How many of the first steps are the SDE's (0: every one); the rest are the ODE's,
+    deterministic given their frame: their log-probability is recorded as 0 and they are
+    not trained. Then only the stochastic steps make a group's pictures differ, so the
+    rewards' differences are credited to the steps that caused them (MixGRPO's window)."""
+
+    @property
+    def stochastic_steps(self) -> int:
+        """The steps that are the SDE's: the first ``sde_steps``, or all."""
+        return self.sde_steps or self.steps
 
     def check(self) -> None:
         if self.steps < 1:
@@ -61,6 +72,10 @@ class ImageSamplingConfig:
             raise ValueError(f"sampling.shift must be positive, got {self.shift}")
         if not self.noise_level > 0:
             raise ValueError(f"sampling.noise_level must be positive, got {self.noise_level}")
+        if not 0 <= self.sde_steps <= self.steps:
+            raise ValueError(
+                f"sampling.sde_steps must be 0 (all) to steps={self.steps}, got {self.sde_steps}"
+            )
 
 
 @dataclass
@@ -200,6 +215,13 @@ class ImageEngine:
         x_next, logprobs = sde_step(
             x, v, t, t_next, self.cfg.noise_level, self.grid[1], noise=noise
         )
+        index = torch.tensor([p.index for p in batch])
+        if self.cfg.stochastic_steps < self.cfg.steps:  # past the window: the ODE's step
+            ode = (index >= self.cfg.stochastic_steps).view(-1, 1, 1, 1)
+            x_next = torch.where(
+                ode, ode_step(x, v, per_sample(t, x), per_sample(t_next, x)), x_next
+            )
+            logprobs = logprobs.masked_fill(ode.flatten(), 0.0)
         for p, frame, logprob in zip(batch, x_next, logprobs.tolist()):
             rid = p.request.request_id
             out.tokens.append(GeneratedToken(rid, p.index, logprob, self.version))

@@ -92,6 +92,9 @@ def sde_step(
     return x_next, gaussian_logprob(x_next, mean, std)
 
 
-def ode_step(x: torch.Tensor, v: torch.Tensor, t: float, t_next: float) -> torch.Tensor:
-    """One Euler step of the probability-flow ODE (evaluation pictures: no noise)."""
+def ode_step(
+    x: torch.Tensor, v: torch.Tensor, t: float | torch.Tensor, t_next: float | torch.Tensor
+) -> torch.Tensor:
+    """One Euler step of the probability-flow ODE (evaluation pictures: no noise). Times:
+    numbers, or per sample shaped to broadcast over ``x`` (``per_sample``)."""
     return x + (t_next - t) * v

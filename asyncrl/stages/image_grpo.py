@@ -63,8 +63,9 @@ class FlowGRPOConfig:
     max_steps: int = 100
     """Trainer steps (weights versions) of the stage."""
     train_steps: int = 4
-    """Denoising steps of each picture trained on, drawn afresh per picture (of
-    ``image.steps``): fewer than sampled, as Flow-GRPO trains."""
+    """Denoising steps of each picture trained on, drawn afresh per picture from its SDE
+    steps (``image.sde_steps``, or all ``image.steps``): fewer than sampled, as Flow-GRPO
+    trains."""
     loss: PPOLossConfig = field(
         default_factory=lambda: PPOLossConfig(clip_low=1e-3, clip_high=1e-3)
     )
@@ -124,9 +125,11 @@ class ImageGRPOExperiment:
         if self.optim.total_steps <= 0:
             self.optim.total_steps = self.rl.max_steps
         self.image.check()
-        if not 1 <= self.rl.train_steps <= self.image.steps:
+        stochastic = self.image.stochastic_steps
+        if not 1 <= self.rl.train_steps <= stochastic:
             raise ConfigError(
-                f"rl.train_steps={self.rl.train_steps} must be 1 to image.steps={self.image.steps}"
+                f"rl.train_steps={self.rl.train_steps} must be 1 to the SDE steps "
+                f"({stochastic}: image.sde_steps, or image.steps when it is 0)"
             )
         self.rl.loss.check()
 
@@ -310,7 +313,7 @@ def update(
 ) -> dict[str, float]:
     """One Flow-GRPO update on ``pictures``; returns its metrics."""
     n, a = len(pictures.prompts), cfg.image.noise_level
-    steps = train_steps(cfg.image.steps, cfg.rl.train_steps, picks, n)  # [N, S]
+    steps = train_steps(cfg.image.stochastic_steps, cfg.rl.train_steps, picks, n)  # [N, S]
     behavior = pictures.behavior.gather(1, steps)
     logprobs = step_logprobs(policy, pictures.frames, pictures.prompts, steps, grid, a)
     ref = None
