@@ -6,14 +6,20 @@ would have."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from asyncrl.algorithms.flow_grpo import PER_DIMENSION, flow_grpo_loss, step_logprobs, train_steps
 from asyncrl.algorithms.losses import PPOLossConfig
+from asyncrl.buffer.image_rollout import ImageRolloutConfig
 from asyncrl.engine.image import ImageEngine, ImageRequest, ImageSamplingConfig, start_noise
+from asyncrl.generator.images import ImageGeneratorWorker
 from asyncrl.image.frames import from_bytes, prompt_ids, prompt_text, to_bytes
 from asyncrl.image.model import ImageModelConfig, ImagePolicy
+from asyncrl.image.scenes import all_scenes
+from asyncrl.wire import Lease, SamplingSpec
 
 SMALL = ImageModelConfig(layers=1, heads=2, head_dim=8, text_dim=16)
 SAMPLING = ImageSamplingConfig(steps=6, shift=3.0, noise_level=0.7)
@@ -188,3 +194,42 @@ def test_past_the_sde_window_steps_are_the_ode_s_without_a_log_probability(polic
     assert not torch.allclose(frames[-1], sde[-1], atol=1e-2)  # the window changed the picture
     with pytest.raises(ValueError, match="sde_steps"):
         ImageSamplingConfig(steps=6, sde_steps=7).check()
+
+
+def test_a_group_shares_its_start_noise_under_shared_start(policies):
+    """The generator gives a lease its group's start seed under ``image.shared_start``
+    (from the run's seed and the group); the engine starts the picture from it, while the
+    steps' noise stays the picture's own."""
+    cfg = ImageRolloutConfig(
+        run_dir="", run_id="", seed=7, image=ImageSamplingConfig(steps=6, shared_start=True)
+    )
+    worker = SimpleNamespace(cfg=cfg, scenes={s.prompt: s for s in all_scenes()})
+
+    def lease(group: int, index: int) -> Lease:
+        ids = prompt_ids("a red square")
+        spec = SamplingSpec(max_new_tokens=6, seed=1000 * group + index)
+        return Lease(
+            run_id="",
+            lease_id=f"l{group}.{index}",
+            prompt_id=0,
+            group_id=group,
+            sample_index=index,
+            prompt_ids=ids,
+            sampling=spec,
+        )
+
+    requests = [
+        ImageGeneratorWorker.request_of(worker, lease(g, i)) for g in (1, 2) for i in (0, 1)
+    ]
+    assert requests[0].start_seed == requests[1].start_seed != requests[2].start_seed
+    assert len({r.seed for r in requests}) == 4
+    engine = ImageEngine(policies[0], cfg.image)
+    for r in requests:
+        engine.submit(r)
+    out = engine.step()
+    starts = [out.frames[r.request_id][0] for r in requests]
+    assert torch.equal(starts[0], starts[1]) and not torch.equal(starts[0], starts[2])
+    after = [out.frames[r.request_id][1] for r in requests]
+    assert not torch.equal(after[0], after[1])  # each picture's own step noise
+    cfg.image.shared_start = False
+    assert ImageGeneratorWorker.request_of(worker, lease(1, 0)).start_seed is None

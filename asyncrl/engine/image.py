@@ -20,8 +20,8 @@ unchanged. Only ``submit`` differs, taking an ``ImageRequest``; a step reports e
 picture's step as a ``GeneratedToken`` (the step's index, its log-probability and
 version) and its new frames beside it (``ImageStepOutput.frames``).
 
-Noise: a picture's start noise comes from its seed alone, and step ``k``'s noise from
-(seed, k). A picture continued elsewhere from its frames therefore draws the noise the
+Noise: a picture's start noise comes from its seed alone (or its group's start seed), and
+step ``k``'s noise from (seed, k). A picture continued elsewhere from its frames therefore draws the noise the
 first holder would have drawn, and a picture does not depend on what it was batched with
 beyond the model's own arithmetic.
 """
@@ -59,6 +59,10 @@ class ImageSamplingConfig:
     deterministic given their frame: their log-probability is recorded as 0 and they are
     not trained. Then only the stochastic steps make a group's pictures differ, so the
     rewards' differences are credited to the steps that caused them (MixGRPO's window)."""
+    shared_start: bool = False
+    """A group's pictures start from the same noise (DanceGRPO's choice), so they differ
+    only by the SDE steps' noise: a group's rewards then compare actions from one start,
+    not starts (the generator gives each request its group's ``start_seed``)."""
 
     @property
     def stochastic_steps(self) -> int:
@@ -85,10 +89,13 @@ class ImageRequest:
     prompt: str
     """The scene's words."""
     seed: int
-    """The picture's own: its start noise and every step's noise derive from it."""
+    """The picture's own: every step's noise derives from it, and the start noise too
+    unless ``start_seed`` is given."""
     frames: torch.Tensor | None = None
     """[n, 3, SIZE, SIZE]: the start noise and the ``n - 1`` steps an earlier holder took;
     None: a new picture, from the seed's noise."""
+    start_seed: int | None = None
+    """The start noise's seed, when not ``seed`` (its group's, under ``shared_start``)."""
 
 
 @dataclass
@@ -144,7 +151,8 @@ class ImageEngine:
         self.policy.prompt_encoder.tokens([request.prompt])  # raises on unknown words
         frames = request.frames
         if frames is None or len(frames) == 0:
-            x, index = start_noise(request.seed), 0
+            seed = request.seed if request.start_seed is None else request.start_seed
+            x, index = start_noise(seed), 0
         elif frames.shape[1:] != (3, SIZE, SIZE) or not 1 <= len(frames) <= self.cfg.steps:
             raise ValueError(
                 f"request {request.request_id!r}: frames {tuple(frames.shape)} are not 1 to "

@@ -5,8 +5,10 @@ The loop is the generator's own: leases in as the engine has room, weights stage
 intake thread and flipped between denoising steps, heartbeats, revocations, drain. What
 differs is what a lease becomes and what a finished one carries:
 
-- a lease is a picture: its prompt's words (``prompt_ids``), its sample's seed, and the
-  frames an earlier holder sent (``prefix_frames``), which it continues from;
+- a lease is a picture: its prompt's words (``prompt_ids``), its sample's seed (and,
+  under ``image.shared_start``, its group's start seed, from the run's seed and the
+  group), and the frames an earlier holder sent (``prefix_frames``), which it continues
+  from;
 - each step goes out as a token does (its index, log-probability and version), its frames
   beside it in the same chunk (``Chunk.frames``), every ``chunk_tokens`` steps or
   ``chunk_ms``;
@@ -40,6 +42,7 @@ from asyncrl.image.frames import from_bytes, prompt_text, to_bytes
 from asyncrl.image.model import ImagePolicy, to_images
 from asyncrl.image.scenes import all_scenes
 from asyncrl.liveness import EXIT_DRAINED
+from asyncrl.seeds import derive_seed
 from asyncrl.wire import Lease
 
 
@@ -64,7 +67,8 @@ class ImageGeneratorWorker(GeneratorWorker):
         seed = lease.sampling.seed
         if seed is None:  # unseeded sampling: a picture continued elsewhere draws afresh
             seed = random.getrandbits(63)
-        return ImageRequest(lease.lease_id, prompt, seed, frames)
+        start = derive_seed(self.cfg.seed, lease.group_id) if self.cfg.image.shared_start else None
+        return ImageRequest(lease.lease_id, prompt, seed, frames, start)
 
     def _record(self, out: StepOutput, now: float) -> None:
         """Each step's frames join its lease's pending chunk; a finished picture is judged
