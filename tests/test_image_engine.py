@@ -11,7 +11,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from asyncrl.algorithms.flow_grpo import PER_DIMENSION, flow_grpo_loss, step_logprobs, train_steps
+from asyncrl.algorithms.flow_grpo import (
+    PER_DIMENSION,
+    flow_grpo_loss,
+    step_distributions,
+    step_kl,
+    step_logprobs,
+    train_steps,
+)
 from asyncrl.algorithms.losses import PPOLossConfig
 from asyncrl.buffer.image_rollout import ImageRolloutConfig
 from asyncrl.engine.image import ImageEngine, ImageRequest, ImageSamplingConfig, start_noise
@@ -233,3 +240,39 @@ def test_a_group_shares_its_start_noise_under_shared_start(policies):
     assert not torch.equal(after[0], after[1])  # each picture's own step noise
     cfg.image.shared_start = False
     assert ImageGeneratorWorker.request_of(worker, lease(1, 0)).start_seed is None
+
+
+def test_the_kl_to_the_reference_is_the_two_gaussian_steps_own(policies):
+    """``step_kl`` is the closed-form KL of the policy's and the reference's steps (same
+    std) per dimension, 0 for the reference itself; the loss adds ``kl_coef`` times it,
+    and its gradient pulls the policy's step means toward the reference's."""
+    policy, newer = policies
+    reference = ImagePolicy(SMALL)
+    reference.load_state_dict(newer)
+    engine = ImageEngine(policy, SAMPLING)
+    engine.submit(ImageRequest("a", "a blue circle", seed=4))
+    frames = frames_of(run(engine)["a"]).unsqueeze(0)
+    steps = torch.tensor([[0, 3]])
+    chosen = (frames, ["a blue circle"], steps, engine.grid, 0.7)
+    logprobs, means, std = step_distributions(policy, *chosen)
+    with torch.no_grad():
+        ref_means = step_distributions(reference, *chosen)[1]
+    kl = step_kl(means, ref_means, std)
+    p = torch.distributions.Normal(means.detach()[0, 1], std[0, 1])
+    q = torch.distributions.Normal(ref_means[0, 1], std[0, 1])
+    direct = torch.distributions.kl_divergence(p, q).mean()
+    torch.testing.assert_close(kl[0, 1].detach(), direct, rtol=1e-4, atol=1e-8)
+    assert (kl > 0).all() and step_kl(ref_means, ref_means, std).abs().max() == 0
+    cfg = PPOLossConfig(clip_low=1e-3, clip_high=1e-3, kl_coef=0.5)
+    loss, metrics = flow_grpo_loss(
+        logprobs, logprobs.detach(), logprobs.detach(), torch.tensor([0.0]), cfg, kl
+    )
+    torch.testing.assert_close(loss, 0.5 * kl.sum())  # advantage 0: the KL alone
+    assert metrics["train/kl_reference"] == pytest.approx(float(kl.detach().sum()))
+    loss.backward()
+    with torch.no_grad():
+        for weight in policy.parameters():
+            if weight.grad is not None:
+                weight -= 1e-3 * weight.grad
+        after = step_kl(step_distributions(policy, *chosen)[1], ref_means, std)
+    assert after.sum() < kl.sum()

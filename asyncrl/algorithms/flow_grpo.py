@@ -10,7 +10,8 @@ positions are steps, every step of a picture shares its group-relative advantage
 Scale: a step's log-probability sums over the picture's 3 × 32 × 32 dimensions, so any
 update moves it by far more than a clip range of ratios allows; the loss takes the mean
 per dimension instead (``PER_DIMENSION``), as Flow-GRPO does, which keeps the ratios'
-clip, the importance weights and the KL on a workable scale.
+clip and the importance weights on a workable scale. The KL to the reference is the two
+Gaussian steps' own, in closed form and per dimension (``step_kl``), as Flow-GRPO takes it.
 """
 
 from __future__ import annotations
@@ -26,15 +27,16 @@ PER_DIMENSION = 1.0 / (FRAME_SHAPE[0] * FRAME_SHAPE[1] * FRAME_SHAPE[2])
 """The loss's log-probabilities are the step's, times this (a mean over dimensions)."""
 
 
-def step_logprobs(
+def step_distributions(
     policy: ImagePolicy,
     frames: torch.Tensor,
     prompts: list[str],
     steps: torch.Tensor,
     grid: list[float],
     noise_level: float,
-) -> torch.Tensor:
-    """Each chosen step's log-probability under ``policy``: ``[N, S]``.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each chosen step under ``policy``: its log-probability ``[N, S]``, its Gaussian's
+    mean ``[N, S, 3, H, W]`` and standard deviation ``[N, S]``.
 
     Args:
         frames: ``[N, T + 1, 3, H, W]``, each picture's start noise and its T steps' frames.
@@ -49,7 +51,29 @@ def step_logprobs(
     t, t_next = times[steps].flatten(), times[steps + 1].flatten()
     v = policy.velocity(x, t, [p for p in prompts for _ in range(s)])
     mean, std = sde_distribution(x, v, t, t_next, noise_level, grid[1])
-    return gaussian_logprob(x_next, mean, std).view(n, s)
+    logprobs = gaussian_logprob(x_next, mean, std).view(n, s)
+    return logprobs, mean.view(n, s, *mean.shape[1:]), std.view(n, s)
+
+
+def step_logprobs(
+    policy: ImagePolicy,
+    frames: torch.Tensor,
+    prompts: list[str],
+    steps: torch.Tensor,
+    grid: list[float],
+    noise_level: float,
+) -> torch.Tensor:
+    """Each chosen step's log-probability under ``policy``: ``[N, S]`` (arguments as
+    ``step_distributions``)."""
+    return step_distributions(policy, frames, prompts, steps, grid, noise_level)[0]
+
+
+def step_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """KL(policy step ‖ reference step) per dimension, ``[N, S]``: both are Gaussians with
+    the same ``std`` ``[N, S]`` (the SDE's), so it is exact, ``|μ − μ_ref|² / (2σ²)``
+    averaged over a picture's dimensions, where a sampled estimate would be noise on a
+    3072-dimensional step. Means ``[N, S, 3, H, W]``."""
+    return (mean - ref_mean).pow(2).flatten(2).mean(2) / (2 * std.pow(2))
 
 
 def flow_grpo_loss(
@@ -58,22 +82,25 @@ def flow_grpo_loss(
     behavior_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     cfg: PPOLossConfig,
-    ref_logprobs: torch.Tensor | None = None,
+    kl: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``ppo_loss`` over steps: every log-probability ``[N, S]`` (``step_logprobs``'s scale:
-    whole steps), ``advantages`` ``[N]`` (one per picture). Returns the sum over steps and
-    the metric sums, as ``ppo_loss`` does; the caller divides by ``N · S``."""
+    whole steps), ``advantages`` ``[N]`` (one per picture), and ``cfg.kl_coef`` times
+    ``kl`` ``[N, S]`` (``step_kl``, per dimension) when given. Returns the sum over steps
+    and the metric sums, as ``ppo_loss`` does; the caller divides by ``N · S``."""
     scale = PER_DIMENSION
-    ref = None if ref_logprobs is None else ref_logprobs * scale
-    return ppo_loss(
+    loss_sum, metrics = ppo_loss(
         logprobs * scale,
         proximal_logprobs * scale,
         behavior_logprobs * scale,
         advantages.unsqueeze(1).expand_as(logprobs),
         torch.ones_like(logprobs),
         cfg,
-        ref_logprobs=ref,
     )
+    if kl is not None:
+        loss_sum = loss_sum + cfg.kl_coef * kl.sum()
+        metrics["train/kl_reference"] = kl.detach().sum()
+    return loss_sum, metrics
 
 
 def train_steps(

@@ -32,7 +32,7 @@ from typing import ClassVar
 
 import torch
 
-from asyncrl.algorithms.flow_grpo import flow_grpo_loss, step_logprobs, train_steps
+from asyncrl.algorithms.flow_grpo import flow_grpo_loss, step_distributions, step_kl, train_steps
 from asyncrl.algorithms.losses import PPOLossConfig
 from asyncrl.buffer.client import BufferClient
 from asyncrl.buffer.config import BufferConfig
@@ -315,15 +315,17 @@ def update(
     n, a = len(pictures.prompts), cfg.image.noise_level
     steps = train_steps(cfg.image.stochastic_steps, cfg.rl.train_steps, picks, n)  # [N, S]
     behavior = pictures.behavior.gather(1, steps)
-    logprobs = step_logprobs(policy, pictures.frames, pictures.prompts, steps, grid, a)
-    ref = None
+    chosen = (pictures.frames, pictures.prompts, steps, grid, a)
+    logprobs, means, std = step_distributions(policy, *chosen)
+    kl = None
     if reference is not None:
         with torch.no_grad():
-            ref = step_logprobs(reference, pictures.frames, pictures.prompts, steps, grid, a)
+            ref_means = step_distributions(reference, *chosen)[1]
+        kl = step_kl(means, ref_means, std)
     advantages = pictures.advantages(cfg.rl.scale_by_std)
     # One update per batch: the proximal policy is this forward's, without its gradient.
     loss_sum, metrics = flow_grpo_loss(
-        logprobs, logprobs.detach(), behavior, advantages, cfg.rl.loss, ref
+        logprobs, logprobs.detach(), behavior, advantages, cfg.rl.loss, kl
     )
     count = steps.numel()
     opt.zero_grad(set_to_none=True)
