@@ -18,10 +18,10 @@ from asyncrl.algorithms.flow_dpo import diffusion_dpo_loss, velocity_errors
 from asyncrl.algorithms.preference import DPOLossConfig, dpo_loss
 from asyncrl.image.check import judge
 from asyncrl.image.model import ImageModelConfig, ImagePolicy, to_pixels
-from asyncrl.image.pairs import PicturePairs, make_pairs
+from asyncrl.image.pairs import PicturePairs, make_pairs, mirrored
 from asyncrl.image.render import draw
-from asyncrl.image.scenes import BACKGROUND, sample_scenes
-from asyncrl.image.scorer import PictureScorer, ScorerConfig
+from asyncrl.image.scenes import BACKGROUND, all_scenes, sample_scenes
+from asyncrl.image.scorer import ConvReader, PictureScorer, PolicyReader, ScorerConfig
 from asyncrl.stages.image_rm import ranking_accuracy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,6 +57,24 @@ def test_pairs_are_the_policy_s_own_pictures_best_against_worst(tmp_path):
     assert again.prompts == pairs.prompts and np.array_equal(again.rejected, pairs.rejected)
 
 
+def test_a_mirrored_pair_is_judged_as_the_pair_and_never_becomes_a_held_out_scene():
+    pairs = drawn_pairs(64, False, 2)
+    chosen, rejected, prompts = mirrored(
+        pairs.chosen, pairs.rejected, pairs.prompts, np.random.default_rng(0)
+    )
+    by_prompt = {s.prompt: s for s in all_scenes()}
+    flipped = [i for i, (a, b) in enumerate(zip(chosen, pairs.chosen)) if not np.array_equal(a, b)]
+    assert len(flipped) > 16 and any(p != q for p, q in zip(prompts, pairs.prompts))
+    for i, prompt in enumerate(prompts):
+        scene = by_prompt[prompt]
+        assert not scene.held_out
+        before = judge(pairs.chosen[i], by_prompt[pairs.prompts[i]])
+        assert list(judge(chosen[i], scene).checks.values()) == list(before.checks.values())
+        assert judge(rejected[i], scene).reward == pairs.rejected_score[i]
+    moved = [i for i in range(len(prompts)) if prompts[i] != pairs.prompts[i]]
+    assert moved and all(by_prompt[prompts[i]].relation for i in moved)
+
+
 def test_diffusion_dpo_is_dpo_on_velocity_errors_and_moves_the_chosen_one():
     torch.manual_seed(1)
     policy = ImagePolicy(SMALL)
@@ -88,9 +106,16 @@ def test_diffusion_dpo_is_dpo_on_velocity_errors_and_moves_the_chosen_one():
     assert margin.mean() > 0  # the chosen pictures' error fell against the rejected ones'
 
 
-def test_the_scorer_learns_to_rank_as_the_judge_and_reloads(tmp_path):
+@pytest.mark.parametrize("reader", ["conv", "policy"])
+def test_the_scorer_learns_to_rank_as_the_judge_and_reloads(reader, tmp_path):
     torch.manual_seed(0)
-    scorer = PictureScorer(ScorerConfig(channels=8, text_dim=8, hidden=32))
+    if reader == "policy":  # the reader is a policy's transformer, fine-tuned
+        ImagePolicy(SMALL).save(tmp_path / "policy")
+        cfg = ScorerConfig(backbone=str(tmp_path / "policy"), per_patch=2, hidden=32)
+    else:
+        cfg = ScorerConfig(channels=8, text_dim=8, hidden=32)
+    scorer = PictureScorer(cfg)
+    assert isinstance(scorer.reader, PolicyReader if reader == "policy" else ConvReader)
     train, held_out = drawn_pairs(64, False, 0), drawn_pairs(32, True, 1)
     opt = torch.optim.AdamW(scorer.parameters(), lr=3e-3)
     for _ in range(30):
@@ -121,7 +146,8 @@ def test_the_preference_stages_run_from_their_experiments(stage, tmp_path):
     cmd += [f"pairs.dir={pairs_dir}", f"pairs.policy={policy}", "batch_size=8"]
     cmd += ["max_steps=4", "trainer.threads_per_rank=1"]
     if stage == "image_rm":
-        cmd += ["eval_every=2", f"export_dir={tmp_path / 'rm'}", "scorer.channels=8"]
+        cmd += ["eval_every=2", f"export_dir={tmp_path / 'rm'}", f"scorer.backbone={policy}"]
+        cmd += ["scorer.per_patch=2", "scorer.hidden=16"]
     else:
         cmd += ["eval.every_steps=2", "eval.num_scenes=8", "eval.steps=3"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)

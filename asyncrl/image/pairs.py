@@ -8,6 +8,10 @@ share of the scene's checks it passes (``asyncrl.image.check``), and the best an
 worst make a pair when their scores differ. Pairs of training scenes train; pairs of
 held-out scenes measure.
 
+``mirrored`` gives more pairs of the same: a pair flipped left-right with "left" and
+"right" swapped in its prompt (or top-bottom with "above" and "below") is judged as the
+pair was, so a scorer can learn that where objects lie matters only against the words.
+
 A pair file is one ``.npz``: ``prompts`` (str), ``chosen`` and ``rejected`` (uint8
 pictures [P, H, W, 3]) and their scores.
 """
@@ -24,7 +28,13 @@ import torch
 from asyncrl.image.check import judge
 from asyncrl.image.model import ImagePolicy
 from asyncrl.image.sample import generate
-from asyncrl.image.scenes import Scene
+from asyncrl.image.scenes import Scene, held_out_prompt
+
+SWAPPED_WORDS = (
+    {"left": "right", "right": "left"},  # flipped left-right
+    {"above": "below", "below": "above"},  # flipped top-bottom
+)
+"""The relation words a flip turns into each other: left-right, then top-bottom."""
 
 
 @dataclass
@@ -108,3 +118,21 @@ def make_pairs(
         np.array(out["cs"], dtype=np.float32),
         np.array(out["rs"], dtype=np.float32),
     )
+
+
+def mirrored(
+    chosen: np.ndarray, rejected: np.ndarray, prompts: list[str], rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """Pairs [P, H, W, 3] with each flipped left-right, top-bottom, both or neither (a fair
+    coin per flip and pair), and its prompt's relation words swapped to match. A flip
+    whose prompt would be a held-out scene's is not made: held-out scenes stay unseen."""
+    chosen, rejected, out = chosen.copy(), rejected.copy(), []
+    for i, prompt in enumerate(prompts):
+        for axis, swaps in ((1, SWAPPED_WORDS[0]), (0, SWAPPED_WORDS[1])):  # of a picture
+            flipped = " ".join(swaps.get(w, w) for w in prompt.split())
+            if rng.random() < 0.5 and not held_out_prompt(flipped):
+                chosen[i] = np.flip(chosen[i], axis=axis)
+                rejected[i] = np.flip(rejected[i], axis=axis)
+                prompt = flipped
+        out.append(prompt)
+    return chosen, rejected, out

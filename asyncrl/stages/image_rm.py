@@ -13,18 +13,19 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from asyncrl.algorithms.preference import bradley_terry_loss
 from asyncrl.config import ConfigError
 from asyncrl.image.model import to_pixels
-from asyncrl.image.pairs import PicturePairs
+from asyncrl.image.pairs import PicturePairs, mirrored
 from asyncrl.image.scorer import PictureScorer, ScorerConfig
 from asyncrl.metrics import MetricsConfig, MetricsLogger
 from asyncrl.stages.common import ProcessSpec, out_of_time, stage_main, trainer_ranks
 from asyncrl.stages.image_pairs import ImagePairsConfig, load_or_make
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
-from asyncrl.trainer.core import adamw
+from asyncrl.trainer.core import adamw, param_groups
 from asyncrl.trainer.dist import DistInfo
 
 
@@ -44,6 +45,10 @@ class ImageRMExperiment:
     """The pairs: where they are kept, and how they are made when missing."""
     batch_size: int = 64
     """Pairs per optimizer step."""
+    mirror: bool = True
+    """Train on each batch's pairs flipped at random, their prompts' relation words swapped
+    to match (``asyncrl.image.pairs.mirrored``): the judge ranks them the same, and the
+    scorer sees each pair up to four ways."""
     max_steps: int = 600
     """Optimizer steps of the stage."""
     eval_every: int = 100
@@ -64,7 +69,10 @@ class ImageRMExperiment:
         return trainer_ranks(self, config_path)
 
     def prerequisites(self) -> list[tuple[str, str]]:
-        return [(self.pairs.policy, "experiments/image_sft.py")]
+        needs = [(self.pairs.policy, "experiments/image_sft.py")]
+        if self.scorer.backbone:
+            needs.append((self.scorer.backbone, "experiments/image_sft.py"))
+        return needs
 
     def finalize(self) -> None:
         if self.trainer.num_ranks != 1:
@@ -100,16 +108,21 @@ def run(cfg: ImageRMExperiment, info: DistInfo) -> dict:
     )
     scorer = PictureScorer(cfg.scorer)
     o = cfg.optim
-    opt, schedule = adamw(scorer.parameters(), o)
+    # A backbone fine-tunes at lr; what starts new (the head, the narrowing) at head_lr.
+    groups = param_groups(scorer, o, is_head=lambda name: not name.startswith("reader.policy."))
+    opt, schedule = adamw(groups, o)
     log = MetricsLogger(cfg.run_dir, "trainer", cfg.metrics, info.is_main, cfg.max_steps)
     log.log(0, {"eval/ranking_accuracy": (initial := ranking_accuracy(scorer, held_out))})
     order = torch.Generator().manual_seed(cfg.seed)
+    flips = np.random.default_rng(cfg.seed)
     start, accuracy = time.time(), initial
     for step in range(1, cfg.max_steps + 1):
         pick = torch.randint(len(train), (cfg.batch_size,), generator=order).tolist()
-        prompts = [train.prompts[i] for i in pick]
-        chosen = scorer.score(to_pixels(train.chosen[pick]), prompts)
-        rejected = scorer.score(to_pixels(train.rejected[pick]), prompts)
+        pictures = train.chosen[pick], train.rejected[pick], [train.prompts[i] for i in pick]
+        if cfg.mirror:
+            pictures = mirrored(*pictures, flips)
+        chosen = scorer.score(to_pixels(pictures[0]), pictures[2])
+        rejected = scorer.score(to_pixels(pictures[1]), pictures[2])
         loss_sum, metrics = bradley_terry_loss(chosen, rejected)
         opt.zero_grad(set_to_none=True)
         (loss_sum / len(pick)).backward()

@@ -165,14 +165,18 @@ def frozen_model(model_cfg: ModelConfig, info: DistInfo) -> PreTrainedModel:
     return sharded_model(model_cfg, info).requires_grad_(False)
 
 
-def param_groups(model: torch.nn.Module, cfg: OptimConfig) -> list[dict]:
-    """AdamW's parameter groups: the scalar head (``score``) at ``head_lr`` when set, the
-    rest at ``lr``."""
+def param_groups(
+    model: torch.nn.Module,
+    cfg: OptimConfig,
+    is_head: Callable[[str], bool] = lambda name: name.startswith("score."),
+) -> list[dict]:
+    """AdamW's parameter groups: the head (by default the scalar head ``score``; the
+    parameters whose names ``is_head`` picks) at ``head_lr`` when set, the rest at ``lr``."""
     if not cfg.head_lr:
         return [{"params": list(model.parameters())}]
     named = list(model.named_parameters())
-    head = [p for name, p in named if name.startswith("score.")]
-    rest = [p for name, p in named if not name.startswith("score.")]
+    head = [p for name, p in named if is_head(name)]
+    rest = [p for name, p in named if not is_head(name)]
     return [{"params": rest}, {"params": head, "lr": cfg.head_lr}] if head else [{"params": rest}]
 
 
