@@ -49,6 +49,22 @@ def _generated_by(run_dir: Path, process: str) -> float:
     )
 
 
+def assert_drained_and_balanced(run_dir: Path, worker: str) -> None:
+    """The drained generator ``worker`` made tokens and handed its leases back, and the
+    buffer's books balance: nothing lost, nothing taken back for a dead holder, no token
+    wasted."""
+    left = json.loads((run_dir / f"generator_{worker}_summary.json").read_text())
+    assert left["tokens"] > 0 and left["leases_handed_back"] is not None
+    c = json.loads((run_dir / "buffer_counters.json").read_text())
+    ended = sum(
+        c.get(f"buffer/samples_{k}", 0) for k in ("consumed", "stale", "filtered", "failed")
+    )
+    assert c["buffer/samples_created"] == ended + c["buffer/in_flight_samples"], c
+    assert c.get("buffer/leases_revoked_drained", 0) == left["leases_handed_back"]
+    assert c.get("buffer/leases_revoked_holder_silent", 0) == 0
+    assert c["buffer/tokens_revoked_alive"] == 0
+
+
 def test_a_generator_joins_and_leaves_a_running_run_losing_nothing(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
     cmd = [
@@ -97,13 +113,4 @@ def test_a_generator_joins_and_leaves_a_running_run_losing_nothing(tmp_path, tin
     assert "generators: started generator_1 (wanted: 2)" in out
     assert "generators: draining generator_1 (wanted: 1)" in out
     assert "generator_1 left the run, drained" in out and "restart" not in out, out[-3000:]
-    left = json.loads((run_dir / "generator_g1_summary.json").read_text())
-    assert left["tokens"] > 0 and left["leases_handed_back"] is not None
-    c = json.loads((run_dir / "buffer_counters.json").read_text())
-    ended = sum(
-        c.get(f"buffer/samples_{k}", 0) for k in ("consumed", "stale", "filtered", "failed")
-    )
-    assert c["buffer/samples_created"] == ended + c["buffer/in_flight_samples"], c
-    assert c.get("buffer/leases_revoked_drained", 0) == left["leases_handed_back"]
-    assert c.get("buffer/leases_revoked_holder_silent", 0) == 0
-    assert c["buffer/tokens_revoked_alive"] == 0
+    assert_drained_and_balanced(run_dir, "g1")

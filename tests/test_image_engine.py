@@ -16,7 +16,6 @@ from asyncrl.algorithms.flow_grpo import (
     flow_grpo_loss,
     step_distributions,
     step_kl,
-    step_logprobs,
     train_steps,
 )
 from asyncrl.algorithms.losses import PPOLossConfig
@@ -95,13 +94,15 @@ def test_the_trainer_recomputes_the_generator_s_step_logprobs(policies):
     frames = torch.stack([frames_of(records[str(i)]) for i in range(3)])
     steps = torch.arange(SAMPLING.steps).repeat(3, 1)
     with torch.no_grad():
-        again = step_logprobs(policy, frames, prompts, steps, engine.grid, SAMPLING.noise_level)
+        again = step_distributions(
+            policy, frames, prompts, steps, engine.grid, SAMPLING.noise_level
+        )[0]
     behavior = torch.tensor([column(records[str(i)], "logprob") for i in range(3)])
     torch.testing.assert_close(again, behavior, rtol=1e-5, atol=0.05)
     # Not any number would do: a first step to another picture's frame is far less likely.
     crossed = torch.cat([frames[:, :1], frames.flip(0)[:, 1:]], dim=1)
     with torch.no_grad():
-        other = step_logprobs(policy, crossed, prompts, steps, engine.grid, 0.7)
+        other = step_distributions(policy, crossed, prompts, steps, engine.grid, 0.7)[0]
     assert (other[[0, 2], 0] < behavior[[0, 2], 0] - 1000).all()
 
 
@@ -118,7 +119,9 @@ def test_a_flip_between_steps_gives_a_picture_two_versions_and_its_loss_weighs_e
     steps = torch.arange(SAMPLING.steps).unsqueeze(0)
     behavior = torch.tensor([column(records, "logprob")])
     with torch.no_grad():  # the trainer holds version 1: its proximal policy
-        proximal = step_logprobs(policy, frames, ["two red squares"], steps, engine.grid, 0.7)
+        proximal = step_distributions(policy, frames, ["two red squares"], steps, engine.grid, 0.7)[
+            0
+        ]
     drift = (proximal - behavior) * PER_DIMENSION
     assert drift[0, 2:].abs().max() < 1e-6  # taken under the trainer's weights
     assert drift[0, :2].abs().min() > 1e-5  # taken under the older ones
@@ -194,9 +197,9 @@ def test_past_the_sde_window_steps_are_the_ode_s_without_a_log_probability(polic
             v = policy.velocity(frames[k : k + 1], torch.tensor([grid[k]]), ["two red squares"])
             expected = frames[k] + (grid[k + 1] - grid[k]) * v[0]
             torch.testing.assert_close(frames[k + 1], expected, rtol=1e-5, atol=1e-5)
-        again = step_logprobs(
+        again = step_distributions(
             policy, frames.unsqueeze(0), ["two red squares"], torch.tensor([[0, 1]]), grid, 0.7
-        )
+        )[0]
     torch.testing.assert_close(again[0], torch.tensor(logprobs[:2]), rtol=1e-5, atol=0.05)
     assert not torch.allclose(frames[-1], sde[-1], atol=1e-2)  # the window changed the picture
     with pytest.raises(ValueError, match="sde_steps"):

@@ -24,6 +24,7 @@ import pytest
 
 from asyncrl.metrics import read_metrics
 from tests.test_chaos import CHAOS_RUN, assert_repaired_and_balanced, launcher_output, run_chaos
+from tests.test_elastic_launch import assert_drained_and_balanced
 from tests.test_slurm_script import dry_run_here
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -317,14 +318,5 @@ def test_a_generator_step_joins_and_leaves_a_slurm_job_losing_nothing(
     assert "generators: started generator_1 (wanted: 2)" in output, output[-3000:]
     assert "generators: draining generator_1 (wanted: 1)" in output
     assert not re.search(r"; restart \d+ of", output), output[-3000:]  # nothing died
-    left = json.loads((run_dir / "generator_g1_summary.json").read_text())
-    assert left["tokens"] > 0
-    c = json.loads((run_dir / "buffer_counters.json").read_text())
-    ended = sum(
-        c.get(f"buffer/samples_{k}", 0) for k in ("consumed", "stale", "filtered", "failed")
-    )
-    assert c["buffer/samples_created"] == ended + c["buffer/in_flight_samples"], c
-    assert c.get("buffer/leases_revoked_drained", 0) == left["leases_handed_back"]
-    assert c.get("buffer/leases_revoked_holder_silent", 0) == 0
-    assert c["buffer/tokens_revoked_alive"] == 0
+    assert_drained_and_balanced(run_dir, "g1")
     wait_for(lambda: processes_of(run_dir) == [], 30, "every process to exit")

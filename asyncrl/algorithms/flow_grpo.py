@@ -2,7 +2,7 @@
 
 A picture's steps are its actions (``asyncrl.engine.image``): step ``k`` took frame
 ``x_k`` at time ``grid[k]`` to ``x_{k+1}``, a Gaussian draw whose log-probability the
-trainer recomputes from the two frames and the policy's velocity (``step_logprobs``).
+trainer recomputes from the two frames and the policy's velocity (``step_distributions``).
 With the behavior log-probability and version the generator recorded for each step, the
 text loss applies unchanged (``asyncrl.algorithms.losses.ppo_loss``): rows are pictures,
 positions are steps, every step of a picture shares its group-relative advantage.
@@ -55,19 +55,6 @@ def step_distributions(
     return logprobs, mean.view(n, s, *mean.shape[1:]), std.view(n, s)
 
 
-def step_logprobs(
-    policy: ImagePolicy,
-    frames: torch.Tensor,
-    prompts: list[str],
-    steps: torch.Tensor,
-    grid: list[float],
-    noise_level: float,
-) -> torch.Tensor:
-    """Each chosen step's log-probability under ``policy``: ``[N, S]`` (arguments as
-    ``step_distributions``)."""
-    return step_distributions(policy, frames, prompts, steps, grid, noise_level)[0]
-
-
 def step_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """KL(policy step ‖ reference step) per dimension, ``[N, S]``: both are Gaussians with
     the same ``std`` ``[N, S]`` (the SDE's), so it is exact, ``|μ − μ_ref|² / (2σ²)``
@@ -84,7 +71,7 @@ def flow_grpo_loss(
     cfg: PPOLossConfig,
     kl: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """``ppo_loss`` over steps: every log-probability ``[N, S]`` (``step_logprobs``'s scale:
+    """``ppo_loss`` over steps: every log-probability ``[N, S]`` (``step_distributions``' scale:
     whole steps), ``advantages`` ``[N]`` (one per picture), and ``cfg.kl_coef`` times
     ``kl`` ``[N, S]`` (``step_kl``, per dimension) when given. Returns the sum over steps
     and the metric sums, as ``ppo_loss`` does; the caller divides by ``N · S``."""

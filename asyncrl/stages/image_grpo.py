@@ -11,7 +11,7 @@ trainer rank, this module. Each step of the trainer:
    versions old;
 2. draws ``rl.train_steps`` of each picture's denoising steps (Flow-GRPO trains on a
    fraction of them);
-3. recomputes their log-probabilities under its weights (``step_logprobs``; these are
+3. recomputes their log-probabilities under its weights (``step_distributions``; these are
    also the proximal policy's: one update per batch);
 4. takes the decoupled clipped loss per step with group-relative advantages
    (``flow_grpo_loss``), optionally a KL to the starting policy, and one optimizer step;
