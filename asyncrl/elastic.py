@@ -1,17 +1,22 @@
-"""The elastic placement's controller: how many generators a run should have now, decided
-from what the run shows while it goes on.
+"""The elastic placement's controller: how many generators and reward servers a run
+should have now, decided from what the run shows while it goes on.
 
 It is pure: ``Controller.decide`` takes the time and a ``Signals`` snapshot and returns a
-``Move`` (one generator more or fewer, with its reason) or None. The launcher feeds it the
-run's own metrics and carries its moves out through the generator pool
+``Move`` (processes of one role more or fewer, with its reason) or None. The launcher
+feeds it the run's own metrics and carries its moves out through its pools
 (``asyncrl.launcher.elastic``); anything else that can produce ``Signals`` (a model of the
 system) can drive the same code.
 
 The rule, one move at a time:
 
-- the trainer waits for batches (its idle share above ``trainer_idle_high``): generation
-  is the bottleneck, so one generator more, or up to ``max_step`` more toward the split
-  where generation would keep the trainer busy (``balanced``);
+- the trainer waits for batches (its idle share above ``trainer_idle_high``) while
+  finished samples queue for a reward server (``reward_backlog`` batches or more):
+  scoring is the bottleneck, so one reward server more;
+- reward servers score less than ``reward_busy_low`` of their time with nothing much
+  queued: one fewer;
+- the trainer waits for batches otherwise: generation is the bottleneck, so one
+  generator more, or up to ``max_step`` more toward the split where generation would
+  keep the trainer busy (``balanced``);
 - the trainer is busy (idle below ``trainer_idle_low``) while ready batches pile up
   (``backlog_batches`` or more): generation runs ahead, so one generator fewer, and its
   cores or accelerator go back to the rest of the run;
@@ -33,7 +38,7 @@ at once.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -68,7 +73,18 @@ class ElasticConfig:
     generation would keep the trainer busy (estimated from its idle share; see
     ``balanced``): on a cluster of many slots, one slot a dwell reaches it too late."""
 
-    def check(self, generators: int) -> None:
+    min_reward_servers: int = 1
+    """Never fewer reward servers than this (runs with ``reward.model_servers``)."""
+    max_reward_servers: int = 2
+    """Never more reward servers than this."""
+    reward_backlog: float = 0.5
+    """Samples waiting for a reward server, in batches, from which the trainer's wait is
+    put down to scoring rather than generation."""
+    reward_busy_low: float = 0.3
+    """Reward servers scoring less than this share of their time, with less than
+    ``reward_backlog`` queued, give one back."""
+
+    def check(self, generators: int, reward_servers: int = 0) -> None:
         """Refuse settings that cannot work (``ValueError`` naming the keys)."""
         lo, hi = self.min_generators, self.max_generators
         if not 1 <= lo <= hi:
@@ -85,6 +101,13 @@ class ElasticConfig:
             raise ValueError(
                 f"elastic.window_s={self.window_s:g} must be above 0 and at most "
                 f"elastic.dwell_s={self.dwell_s:g}: a move is judged on a window after it"
+            )
+        rlo, rhi = self.min_reward_servers, self.max_reward_servers
+        if reward_servers and not 1 <= rlo <= reward_servers <= rhi:
+            raise ValueError(
+                f"reward.model_servers={reward_servers} is where an elastic run starts: it "
+                f"must lie within elastic.min_reward_servers..max_reward_servers ({rlo}..{rhi}), "
+                "the lower at least 1"
             )
         if self.max_step < 1:
             raise ValueError(f"elastic.max_step={self.max_step} must be at least 1")
@@ -109,6 +132,12 @@ class Signals(NamedTuple):
     trainer_slots: int = 0
     """Slots the trainer holds, where generators and trainer share one pool of slots (a
     generator more is a trainer slot fewer); 0 where the trainer's size stays as it is."""
+    reward_servers: int = 0
+    """Reward servers running now (0: the run scores in the buffer's process)."""
+    reward_queue: float = 0.0
+    """Finished samples waiting for a reward server, in batches."""
+    reward_busy: float = 0.0
+    """Share of the reward servers' time spent scoring."""
 
 
 class StepRecord(NamedTuple):
@@ -156,8 +185,10 @@ def balanced(s: Signals) -> float:
 
 class Move(NamedTuple):
     delta: int
-    """Generators more (+) or fewer (-)."""
+    """Processes of ``role`` more (+) or fewer (-)."""
     reason: str
+    role: str = "generators"
+    """"generators" or "rewards" (reward servers)."""
 
 
 class Controller:
@@ -166,7 +197,7 @@ class Controller:
         self.last_move_at = float("-inf")
         # The move being judged: it, trained tokens/s before it, their trend, when made.
         self.judging: tuple[Move, float, float, float] | None = None
-        self.blocked_until = {1: float("-inf"), -1: float("-inf")}
+        self.blocked_until: dict[tuple[str, int], float] = {}  # (role, sign) -> time
         self.seen: deque[tuple[float, float]] = deque()  # (time, trained tokens/s)
 
     def decide(self, now: float, s: Signals) -> Move | None:
@@ -181,8 +212,8 @@ class Controller:
             undo = self._judged(now, s)
             if undo is not None:
                 return self._made(undo, now, judge=False)
-        move = self._wanted(s)
-        if move is None or now < self.blocked_until[1 if move.delta > 0 else -1]:
+        move = next((m for m in self._wanted(s) if now >= self._blocked_until(m)), None)
+        if move is None:
             return None
         if self._trend() is None:
             return None  # a move is judged against the trend before it: none is known yet
@@ -201,11 +232,12 @@ class Controller:
         gain = s.trained_tokens_per_s / expected - 1
         if gain >= (cfg.min_gain if move.delta > 0 else -cfg.min_gain):
             return None
-        self.blocked_until[1 if move.delta > 0 else -1] = now + cfg.retry_dwells * cfg.dwell_s
+        self.blocked_until[_direction(move)] = now + cfg.retry_dwells * cfg.dwell_s
         return Move(
             -move.delta,
             f"undo {move.delta:+d}: trained tokens/s {s.trained_tokens_per_s:.0f}, "
             f"{gain:+.0%} against {expected:.0f} expected without it",
+            move.role,
         )
 
     def _trend(self) -> float | None:
@@ -221,20 +253,44 @@ class Controller:
         var = sum((t - mt) ** 2 for t, _ in points)
         return sum((t - mt) * (v - mv) for t, v in points) / var
 
-    def _wanted(self, s: Signals) -> Move | None:
+    def _wanted(self, s: Signals) -> Iterator[Move]:
+        """The moves the signals call for, first the most wanted (one not blocked by an
+        undo is made)."""
         cfg = self.cfg
+        scoring_behind = s.reward_servers > 0 and s.reward_queue >= cfg.reward_backlog
+        if s.trainer_idle > cfg.trainer_idle_high and scoring_behind:
+            if s.reward_servers >= cfg.max_reward_servers:
+                return  # more generators would only lengthen the queue
+            yield Move(
+                1,
+                f"trainer idle {s.trainer_idle:.0%} > {cfg.trainer_idle_high:.0%} with "
+                f"{s.reward_queue:.1f} batches waiting for a reward server",
+                "rewards",
+            )
+            return  # the same: scoring holds the trainer up, not generation
+        idle_scorers = s.reward_busy < cfg.reward_busy_low and not scoring_behind
+        if s.reward_servers > cfg.min_reward_servers and idle_scorers:
+            yield Move(
+                -1,
+                f"reward servers busy {s.reward_busy:.0%} < {cfg.reward_busy_low:.0%} "
+                "of their time",
+                "rewards",
+            )
         if s.trainer_idle > cfg.trainer_idle_high and s.generators < cfg.max_generators:
             room = cfg.max_generators - s.generators
             step = min(cfg.max_step, room, max(1, round(balanced(s)) - s.generators))
-            return Move(step, f"trainer idle {s.trainer_idle:.0%} > {cfg.trainer_idle_high:.0%}")
+            yield Move(step, f"trainer idle {s.trainer_idle:.0%} > {cfg.trainer_idle_high:.0%}")
         busy = s.trainer_idle < cfg.trainer_idle_low
         if busy and s.ready_batches >= cfg.backlog_batches and s.generators > cfg.min_generators:
-            return Move(
+            yield Move(
                 -1,
                 f"trainer idle {s.trainer_idle:.0%} < {cfg.trainer_idle_low:.0%} with "
                 f"{s.ready_batches:.1f} batches ready",
             )
-        return None
+
+    def _blocked_until(self, move: Move) -> float:
+        """Until when ``move``'s role and direction wait after an undo."""
+        return self.blocked_until.get(_direction(move), float("-inf"))
 
     def _made(self, move: Move, now: float, judge: bool) -> Move:
         """Record ``move`` made at ``now``; it is judged a dwell later unless an undo."""
@@ -243,3 +299,8 @@ class Controller:
             self.judging = (move, before, self._trend(), now)
         self.last_move_at = now
         return move
+
+
+def _direction(move: Move) -> tuple[str, int]:
+    """What an undo blocks: more or fewer of the move's role."""
+    return move.role, 1 if move.delta > 0 else -1

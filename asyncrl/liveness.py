@@ -13,8 +13,9 @@ EXIT_FATAL = 78
 """The exit code of a process whose death a restart cannot repair (EX_CONFIG): the run
 stops with the tail of its log instead of starting it again."""
 EXIT_DRAINED = 79
-"""The exit code of a generator that left the run on purpose, drained (its leases went
-back to the buffer and its slot to another role): the launcher does not restart it."""
+"""The exit code of a generator or reward server that left the run on purpose, drained
+(its leases or batches went back to the buffer and its slot to another role): the
+launcher does not restart it."""
 
 
 class AliveMark:

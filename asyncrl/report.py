@@ -299,21 +299,28 @@ def report(run_dir: str | Path, minutes: list[float]) -> dict[str, Any]:
 
 def elastic_figures(records: list[dict]) -> dict[str, Any] | None:
     """An elastic run's allocations (``placement=elastic``): seconds spent at each
-    generator count, from the controller's checks, and its moves (None for other runs)."""
+    generator count and, with reward servers, at each of theirs, from the controller's
+    checks, and its moves of either role (None for other runs)."""
     checks = [r for r in records if r["process"] == "controller"]
     if not checks:
         return None
-    seconds: dict[str, float] = {}
-    for this, following in zip(checks, checks[1:]):
-        count = str(int(this["elastic/generators"]))
-        # A relaunch on the run directory starts the controller's clock again.
-        seconds[count] = seconds.get(count, 0.0) + max(0.0, following["time"] - this["time"])
-    moves = [
-        {"at_s": r["time"], "delta": int(r["elastic/move"]), "generators": r["elastic/generators"]}
+    out: dict[str, Any] = {}
+    for role in ("generators", "reward_servers"):
+        if f"elastic/{role}" not in checks[0]:
+            continue
+        seconds: dict[str, float] = {}
+        for this, following in zip(checks, checks[1:]):
+            count = str(int(this[f"elastic/{role}"]))
+            # A relaunch on the run directory starts the controller's clock again.
+            seconds[count] = seconds.get(count, 0.0) + max(0.0, following["time"] - this["time"])
+        out[f"seconds_at_{role}"] = seconds
+    out["moves"] = [
+        {"at_s": r["time"], "delta": int(r[key]), role: r[f"elastic/{role}"]}
         for r in checks
-        if "elastic/move" in r
+        for key, role in (("elastic/move", "generators"), ("elastic/reward_move", "reward_servers"))
+        if key in r
     ]
-    return {"seconds_at_generators": seconds, "moves": moves}
+    return out
 
 
 def _rounded(value: Any) -> Any:

@@ -13,7 +13,13 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from asyncrl.chat_tokenizers import save_tokenizer, small_tokenizer
-from asyncrl.models import TinyModelConfig, build_tiny_model
+from asyncrl.models import (
+    ModelConfig,
+    TinyModelConfig,
+    build_tiny_model,
+    load_model,
+    load_tokenizer,
+)
 from asyncrl.tasks import TaskConfig, build_task
 from asyncrl.trainer.dist import init_distributed
 
@@ -51,6 +57,19 @@ def task():
 def tiny_model_dir(tmp_path_factory, task):
     texts = [ex.prompt + ex.completion for ex in task.examples("train")]
     return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", texts, TEST_MODEL))
+
+
+@pytest.fixture(scope="session")
+def rm_dir(tiny_model_dir, tmp_path_factory) -> str:
+    """A reward model: the tiny policy's backbone with a random (nonzero) value head."""
+    model = load_model(ModelConfig(path=tiny_model_dir, head="value"))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.score.weight.normal_(0.0, 1.0)
+    out = tmp_path_factory.mktemp("rm") / "rm"
+    model.save_pretrained(out)
+    load_tokenizer(tiny_model_dir).save_pretrained(out)
+    return str(out)
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,7 @@ from asyncrl.elastic import (
 )
 from asyncrl.launcher import elastic as elastic_loop
 from asyncrl.launcher.elastic import ElasticLoop
-from asyncrl.launcher.pool import GeneratorPool
+from asyncrl.launcher.pool import GENERATORS, REWARDS, RolePool
 from asyncrl.launcher.supervise import Supervised
 from asyncrl.metrics import MetricsConfig, read_metrics
 from asyncrl.report import elastic_figures
@@ -160,9 +160,9 @@ def test_the_loop_reads_the_run_and_asks_the_pool_for_the_controller_s_count(tmp
     logs = tmp_path / "logs"
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)", "--worker-id", "g0"]
     procs = [Supervised("generator_0", sleeper, logs / "generator_0.log", restartable=True)]
-    pool = GeneratorPool(tmp_path, procs)
+    pool = RolePool(tmp_path, procs)
     metrics = MetricsConfig(tensorboard=False, progress_bar=False)
-    loop = ElasticLoop(tmp_path, replace(CFG, window_s=1.0), 2, pool, metrics)
+    loop = ElasticLoop(tmp_path, replace(CFG, window_s=1.0), 2, {GENERATORS: pool}, metrics)
     clock = [loop.last_check]
     monkeypatch.setattr(elastic_loop.time, "monotonic", lambda: clock[0])
     _trainer_steps(tmp_path / "metrics.jsonl", steps=20, wait_s=0.2)  # idle 67%
@@ -185,6 +185,72 @@ def test_the_loop_reads_the_run_and_asks_the_pool_for_the_controller_s_count(tmp
     assert check["elastic/trainer_idle"] == pytest.approx(2 / 3)
     history = (tmp_path / "control" / "generators.log").read_text()
     assert "want 2: elastic: trainer idle 67% > 25%" in history
+
+
+SCORING_BEHIND = dict(trainer_idle=0.5, ready_batches=0.0, reward_servers=1, reward_queue=2.0)
+
+
+def test_a_trainer_waiting_on_scoring_gets_a_reward_server_not_a_generator():
+    c = Controller(CFG)
+    s = Signals(1, trained_tokens_per_s=100.0, reward_busy=1.0, **SCORING_BEHIND)
+    [(at, first)] = feed(c, 0, 30, s)
+    assert first.role == "rewards" and first.delta == 1
+    assert "2.0 batches waiting for a reward server" in first.reason
+    # At its most reward servers, nothing: a generator more would only lengthen the queue.
+    at_max = s._replace(reward_servers=CFG.max_reward_servers, trained_tokens_per_s=150.0)
+    assert feed(c, at + 5, at + 300, at_max) == []
+
+
+def test_reward_servers_that_idle_give_one_back_and_an_undo_blocks_that_role_only():
+    c = Controller(CFG)
+    idle = Signals(2, trainer_idle=0.1, ready_batches=0.0, trained_tokens_per_s=100.0)
+    idle = idle._replace(reward_servers=2, reward_queue=0.0, reward_busy=0.1)
+    [(at, down)] = feed(c, 0, 30, idle)
+    assert (down.delta, down.role) == (-1, "rewards")
+    assert "reward servers busy 10% < 30%" in down.reason
+    # Training fell with it: undone, and reward servers are not given back for a while...
+    fell = idle._replace(reward_servers=1, reward_busy=0.9, trained_tokens_per_s=80.0)
+    [(_, undo)] = feed(c, at + 5, at + CFG.dwell_s, fell)
+    assert undo.role == "rewards" and undo.delta == 1 and undo.reason.startswith("undo -1")
+    # ...while a starving trainer still gets a generator at the next dwell.
+    starving = idle._replace(trainer_idle=0.5, reward_busy=0.1, trained_tokens_per_s=100.0)
+    [(_, up)] = feed(c, at + CFG.dwell_s + 5, at + 2 * CFG.dwell_s + 5, starving)
+    assert up.role == "generators" and up.delta == 1
+
+
+def test_the_loop_moves_reward_servers_on_the_buffer_s_queue(tmp_path, monkeypatch):
+    logs = tmp_path / "logs"
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    procs = [
+        Supervised("generator_0", [*sleep, "--worker-id", "g0"], logs / "g.log", restartable=True),
+        Supervised("reward_0", [*sleep, "--worker-id", "r0"], logs / "r.log", restartable=True),
+    ]
+    pools = {GENERATORS: RolePool(tmp_path, procs), REWARDS: RolePool(tmp_path, procs, REWARDS)}
+    metrics = MetricsConfig(tensorboard=False, progress_bar=False)
+    loop = ElasticLoop(tmp_path, replace(CFG, window_s=1.0), 2, pools, metrics, batch_samples=8)
+    clock = [loop.last_check]
+    monkeypatch.setattr(elastic_loop.time, "monotonic", lambda: clock[0])
+    path = tmp_path / "metrics.jsonl"
+    try:
+        for i in range(4):  # 12 samples queued (1.5 batches), the server busy all the time
+            _trainer_steps(path, steps=20, wait_s=0.2)
+            buffer = {"process": "buffer", "step": i, "time": 10.0 * i, "buffer/ready_groups": 0}
+            buffer.update({"buffer/reward_model_queue": 12, "buffer/reward_model_busy_s": 10.0 * i})
+            path.open("a").write(json.dumps(buffer) + "\n")
+            clock[0] += elastic_loop.CHECK_S
+            loop.adjust(procs)
+        assert pools[REWARDS].path.read_text() == "2\n" and not pools[GENERATORS].path.exists()
+        assert [p.name for p in procs][-1] == "reward_1" and procs[-1].argv[-1] == "r1"
+    finally:
+        for p in procs:
+            if p.proc is not None:
+                p.kill()
+                p.proc.wait()
+    [check] = [r for r in read_metrics(tmp_path) if "elastic/reward_move" in r]
+    assert check["elastic/reward_move"] == 1 and check["elastic/reward_servers"] == 2
+    assert check["elastic/reward_queue"] == 1.5 and check["elastic/reward_busy"] == 1.0
+    assert check["elastic/generators"] == 1
+    assert "want 2: elastic: trainer idle 67%" in (tmp_path / "control" / "rewards.log").read_text()
 
 
 def test_the_run_report_gives_the_time_at_each_generator_count_and_the_moves():

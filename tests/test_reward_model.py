@@ -36,19 +36,6 @@ TASK_CFG = TaskConfig(train_size=200, eval_size=10)
 
 
 @pytest.fixture(scope="module")
-def rm_dir(tiny_model_dir, tmp_path_factory) -> str:
-    """A reward model: the tiny policy's backbone with a random (nonzero) value head."""
-    model = load_model(ModelConfig(path=tiny_model_dir, head="value"))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model.score.weight.normal_(0.0, 1.0)
-    out = tmp_path_factory.mktemp("rm") / "rm"
-    model.save_pretrained(out)
-    load_tokenizer(tiny_model_dir).save_pretrained(out)
-    return str(out)
-
-
-@pytest.fixture(scope="module")
 def rm(rm_dir):
     return load_model(ModelConfig(path=rm_dir, head="value")).eval()
 

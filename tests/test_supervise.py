@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from asyncrl.launcher.pool import GeneratorPool
+from asyncrl.launcher.pool import RolePool
 from asyncrl.launcher.supervise import Supervised, supervise
 from asyncrl.liveness import EXIT_DRAINED
 
@@ -134,7 +134,7 @@ def test_the_pool_starts_and_drains_generators_as_the_control_file_says(tmp_path
         Supervised("generator_0", generator, logs / "generator_0.log", restartable=True),
         Supervised("trainer", trainer, logs / "trainer.log", final=True),
     ]
-    pool = GeneratorPool(run_dir, procs)
+    pool = RolePool(run_dir, procs)
     result = {}
     thread = threading.Thread(
         target=lambda: result.setdefault("code", supervise(procs, grace_s=5, adjust=pool.adjust))

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from asyncrl.tasks import build_task
 from asyncrl.tasks.base import Split, Task, TaskConfig, score_or_error
+from asyncrl.wire.rewards import ASK_EVERY_S
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +42,8 @@ class RewardConfig:
     (as seen by `poll`), so time queued or in worker start-up never counts."""
     source: Literal["verifier", "model", "mixed"] = "verifier"
     """Where rewards come from: the task's verifier (in the workers above), a reward model
-    (`model_path`, scored in a thread of the buffer process), or "mixed": both, as
-    `verifier_weight * verifier + model_weight * model`."""
+    (`model_path`, scored in a thread of the buffer process or by `model_servers`), or
+    "mixed": both, as `verifier_weight * verifier + model_weight * model`."""
     model_path: str = ""
     """HF directory of the reward model (a value-head model; see
     `asyncrl.buffer.reward_model`). Required unless source is "verifier"."""
@@ -55,7 +56,17 @@ class RewardConfig:
     model_threads: int = 1
     """torch intra-op threads of the reward-model thread's forwards (0: torch's default).
     Set inside that thread, where torch's OpenMP build keeps it to that thread, so the
-    rest of the process (e.g. the colocated trainer) keeps its own count."""
+    rest of the process (e.g. the colocated trainer) keeps its own count. Each reward
+    server's threads too."""
+    model_servers: int = 0
+    """Reward servers the run starts: processes of their own (`reward_K`,
+    `asyncrl.buffer.reward_server`) that score for the buffer, each on its own slot, their
+    number changed while the run goes on through `RUN_DIR/control/rewards` or by the
+    elastic controller. 0: the reward model runs in a thread of the buffer process, which
+    suits a model much cheaper than the policy's generation."""
+    model_timeout_s: float = 120.0
+    """A reward server that holds a batch this long without answering (or, free, asks
+    nothing for as long) is taken for dead: its batches go to another server."""
 
     def check(self) -> None:
         """Raise ValueError, naming the field, if the reward source cannot be used."""
@@ -63,6 +74,16 @@ class RewardConfig:
             raise ValueError(f'reward.source {self.source!r} is not "verifier", "model" or "mixed"')
         if self.source != "verifier" and not self.model_path:
             raise ValueError(f'reward.model_path must be set when reward.source is "{self.source}"')
+        if self.model_servers < 0 or (self.model_servers and self.source == "verifier"):
+            raise ValueError(
+                f"reward.model_servers={self.model_servers} needs a reward model "
+                f'(reward.source "model" or "mixed", got {self.source!r}) and cannot be negative'
+            )
+        if self.model_timeout_s <= 2 * ASK_EVERY_S:
+            raise ValueError(
+                f"reward.model_timeout_s={self.model_timeout_s:g} must be above "
+                f"{2 * ASK_EVERY_S:g} s: a free reward server asks for work every {ASK_EVERY_S:g} s"
+            )
         if self.model_batch_size < 1 or self.model_threads < 0:
             raise ValueError(
                 f"reward.model_batch_size must be >= 1 and reward.model_threads >= 0, got "

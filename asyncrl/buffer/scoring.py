@@ -5,7 +5,8 @@ buffer state machine in the trainer process.
 ``Scoring`` takes the samples the buffer has finished and not yet scored
 (``RolloutBuffer.take_unscored``) and hands each reward back (``on_reward``) once every
 part it needs has arrived: the task's verifier in a ``RewardPool`` of worker processes, a
-reward model batched in a thread (``RewardModelScorer``), or both, weighted
+reward model batched in a thread (``RewardModelScorer``) or by reward servers of their own
+(``RewardDispatch``), or both, weighted
 (``RewardConfig.source``). A timeout or an exception in a reward gives 0 and is counted.
 """
 
@@ -15,6 +16,7 @@ from collections.abc import Callable
 
 from asyncrl.buffer.config import RolloutConfig
 from asyncrl.buffer.core import RolloutBuffer
+from asyncrl.buffer.reward_dispatch import RewardDispatch
 from asyncrl.buffer.reward_model import RewardModelScorer, completion_text
 from asyncrl.buffer.rewards import RewardPool
 from asyncrl.engine.stops import text_until_stop
@@ -45,11 +47,14 @@ class Scoring:
         self.sampling = cfg.sampling  # its stop strings and tokens cut the verifier's text
         self._tokenizer_path = cfg.model.path
         self._tokenizer = None  # loaded when first needed: pictures' rewards come with them
-        self.reward_model: RewardModelScorer | None = None
+        self.reward_model: RewardModelScorer | RewardDispatch | None = None
         if reward.source != "verifier":
-            self.reward_model = RewardModelScorer(
-                reward.model_path, reward.model_batch_size, reward.model_threads
-            )
+            if reward.model_servers:
+                self.reward_model = RewardDispatch(cfg)  # scored by the run's reward servers
+            else:
+                self.reward_model = RewardModelScorer(
+                    reward.model_path, reward.model_batch_size, reward.model_threads
+                )
             self.task = build_task(cfg.task)  # the prompts, to render as the generators do
             self.renderer = PromptRenderer.for_task(cfg.task, self.tokenizer)
         self.prompt_ids: dict[int, list[int]] = {}
@@ -115,8 +120,9 @@ class Scoring:
         """Samples submitted whose reward has not yet gone to the buffer."""
         return len(self._waiting)
 
-    def counters(self) -> dict[str, int]:
-        """The pool's counters as ``reward_*``, the reward model's as ``reward_model_*``."""
+    def counters(self) -> dict[str, float]:
+        """The pool's counters as ``reward_*``, the reward model's as ``reward_model_*``
+        (with reward servers also their queue, latency and count)."""
         out = {f"reward_{k}": v for k, v in self.pool.counters().items()}
         if self.reward_model is not None:
             out.update({f"reward_model_{k}": v for k, v in self.reward_model.counters().items()})

@@ -1,7 +1,7 @@
 """The elastic placement at run time (``placement=elastic``): the launcher reads the run's
 metrics as they are written, asks the controller (``asyncrl.elastic``) for a move, and
-carries it out through the generator pool (``asyncrl.launcher.pool``) by writing the
-count it wants to ``RUN_DIR/control/generators``.
+carries it out through the role's pool (``asyncrl.launcher.pool``) by writing the count
+it wants to ``RUN_DIR/control/generators`` or ``RUN_DIR/control/rewards``.
 
 What it reads from ``RUN_DIR/metrics.jsonl`` (new lines every ``CHECK_S``, timed by when
 they were read, since each process's ``time`` counts from its own start):
@@ -10,11 +10,15 @@ they were read, since each process's ``time`` counts from its own start):
   ``train/step_s`` and ``train/weight_publish_s``) gives its idle share, and with
   ``train/tokens`` the trained tokens/s over the steps' own time
   (``asyncrl.elastic.signals``);
-- the buffer's ``buffer/ready_groups``, in batches of ``buffer.prompts_per_batch``.
+- the buffer's ``buffer/ready_groups``, in batches of ``buffer.prompts_per_batch``;
+- with reward servers, the buffer's ``buffer/reward_model_queue`` (samples waiting for a
+  server, in batches) and ``buffer/reward_model_busy_s`` (its rate over the servers,
+  timed by the buffer's own clock, is their busy share).
 
-Every check is logged as process ``controller`` (``elastic/generators``, the signals, and
-``elastic/move`` on a move), so TensorBoard and ``tools/run_report.py`` show the roles
-over time; a move is also said, with its reason, on the launcher's output.
+Every check is logged as process ``controller`` (``elastic/generators``,
+``elastic/reward_servers``, the signals, and ``elastic/move`` or
+``elastic/reward_move`` on a move), so TensorBoard and ``tools/run_report.py`` show the
+roles over time; a move is also said, with its reason, on the launcher's output.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from pathlib import Path
 
 from asyncrl.config import from_dict
 from asyncrl.elastic import Controller, ElasticConfig, Signals, StepRecord, signals
-from asyncrl.launcher.pool import GeneratorPool, generator_pool
+from asyncrl.launcher.pool import GENERATORS, REWARDS, RolePool, role_pools
 from asyncrl.launcher.supervise import Supervised, say
 from asyncrl.metrics import MetricsConfig, MetricsLogger
 
@@ -43,15 +47,21 @@ class ElasticLoop:
         run_dir: Path,
         cfg: ElasticConfig,
         batch_groups: int,
-        pool: GeneratorPool,
+        pools: dict,
         metrics: MetricsConfig,
+        batch_samples: int = 0,
     ) -> None:
-        self.cfg, self.batch_groups, self.pool = cfg, batch_groups, pool
+        self.cfg, self.batch_groups = cfg, batch_groups
+        self.batch_samples = batch_samples  # a batch's samples, the reward queue's unit
+        self.pool: RolePool = pools[GENERATORS]
+        self.rewards: RolePool | None = pools.get(REWARDS)
         self.path = run_dir / "metrics.jsonl"
         self.offset = 0  # how far the metrics file has been read
         self.controller = Controller(cfg)
         self.steps: deque[tuple[float, StepRecord]] = deque()  # (read at, step)
         self.ready = 0.0
+        self.reward_queue = 0.0  # samples waiting for a reward server, latest
+        self.busy: deque[tuple[float, float]] = deque()  # (buffer time, servers' busy s)
         self.training_since: float | None = None  # when the first trained step was read
         self.last_check = time.monotonic()
         self.checks = 0
@@ -62,33 +72,53 @@ class ElasticLoop:
         if now - self.last_check >= CHECK_S:
             self.last_check = now
             try:
-                self._check(now, len(self.pool.live(procs)))
+                rewards = len(self.rewards.live(procs)) if self.rewards else 0
+                self._check(now, len(self.pool.live(procs)), rewards)
             except (OSError, ValueError, KeyError) as e:  # the run goes on as it is
                 say(f"elastic: no decision this time ({type(e).__name__}: {e})")
         self.pool.adjust(procs)
+        if self.rewards is not None:
+            self.rewards.adjust(procs)
 
-    def _check(self, now: float, generators: int) -> None:
+    def _check(self, now: float, generators: int, reward_servers: int = 0) -> None:
         self._read(now)
         if self.training_since is None or now - self.training_since < self.cfg.window_s:
             return  # a window of training not seen yet (start-up is no steady state)
         if not self.steps:
             return  # no step in the window (a long one, a restart): nothing to judge by
-        s = self._signals(generators)
+        s = self._signals(generators, reward_servers)
         move = self.controller.decide(now, s)
         scalars = {
-            "elastic/generators": float(generators + (move.delta if move else 0)),
+            "elastic/generators": float(generators),
             "elastic/trainer_idle": s.trainer_idle,
             "elastic/ready_batches": s.ready_batches,
             "elastic/trained_tokens_per_s": s.trained_tokens_per_s,
         }
+        if self.rewards is not None:
+            scalars["elastic/reward_servers"] = float(reward_servers)
+            scalars["elastic/reward_queue"] = s.reward_queue
+            scalars["elastic/reward_busy"] = s.reward_busy
         if move is not None:
-            cfg, want = self.cfg, generators + move.delta
-            want = max(cfg.min_generators, min(cfg.max_generators, want))
-            scalars["elastic/move"] = float(want - generators)
-            scalars["elastic/generators"] = float(want)
-            self.pool.want(want, f"elastic: {move.reason}")
+            scalars.update(self._carry_out(move, generators, reward_servers))
         self.checks += 1
         self.log.log(self.checks, scalars)
+
+    def _carry_out(self, move, generators: int, reward_servers: int) -> dict[str, float]:
+        """Ask the move's pool for its new count (within the configured range); the
+        scalars that record it."""
+        cfg = self.cfg
+        if move.role == "rewards" and self.rewards is not None:
+            want = max(
+                cfg.min_reward_servers, min(cfg.max_reward_servers, reward_servers + move.delta)
+            )
+            self.rewards.want(want, f"elastic: {move.reason}")
+            return {
+                "elastic/reward_move": float(want - reward_servers),
+                "elastic/reward_servers": float(want),
+            }
+        want = max(cfg.min_generators, min(cfg.max_generators, generators + move.delta))
+        self.pool.want(want, f"elastic: {move.reason}")
+        return {"elastic/move": float(want - generators), "elastic/generators": float(want)}
 
     def _read(self, now: float) -> None:
         """Take in the metrics lines written since the last read (whole lines only)."""
@@ -118,30 +148,56 @@ class ElasticLoop:
                 self.steps.append((now, step))
             elif "buffer/ready_groups" in record:
                 self.ready = record["buffer/ready_groups"]
+                self.reward_queue = record.get("buffer/reward_model_queue", 0.0)
+                if "buffer/reward_model_busy_s" in record:
+                    self.busy.append((record["time"], record["buffer/reward_model_busy_s"]))
         while self.steps and self.steps[0][0] < now - self.cfg.window_s:
             self.steps.popleft()
+        while len(self.busy) > 2 and self.busy[1][0] < self.busy[-1][0] - self.cfg.window_s:
+            self.busy.popleft()  # keeps one record at or before the window's start
 
-    def _signals(self, generators: int) -> Signals:
+    def _signals(self, generators: int, reward_servers: int = 0) -> Signals:
         ready = self.ready / self.batch_groups
-        return signals(generators, [step for _, step in self.steps], ready)
+        s = signals(generators, [step for _, step in self.steps], ready)
+        if not reward_servers:
+            return s
+        busy = 0.0
+        if len(self.busy) >= 2 and self.busy[-1][0] > self.busy[0][0]:
+            (t0, b0), (t1, b1) = self.busy[0], self.busy[-1]
+            busy = min(1.0, (b1 - b0) / ((t1 - t0) * reward_servers))
+        queue = self.reward_queue / max(self.batch_samples, 1)
+        return s._replace(reward_servers=reward_servers, reward_queue=queue, reward_busy=busy)
 
 
 def run_adjuster(
     run_dir: Path, procs: list[Supervised]
 ) -> Callable[[list[Supervised]], None] | None:
     """What the supervisor runs every turn for the run in ``run_dir``, from its saved
-    config (both launchers): the elastic loop for ``placement=elastic``, the generator
-    pool alone for any other run with generators, nothing for a run without them."""
-    pool = generator_pool(run_dir, procs)
+    config (both launchers): the elastic loop for ``placement=elastic``, the role pools
+    alone for any other run with generators or reward servers, nothing for a run without
+    them."""
+    pools = role_pools(run_dir, procs)
     path = run_dir / "config.json"
     config = json.loads(path.read_text()) if path.exists() else {}
-    if pool is None or config.get("placement") != "elastic":
-        return pool.adjust if pool is not None else None
+    if GENERATORS not in pools or config.get("placement") != "elastic":
+        return _each(list(pools.values())) if pools else None
+    buffer = config["buffer"]
     loop = ElasticLoop(
         run_dir,
         from_dict(ElasticConfig, config.get("elastic", {})),
-        int(config["buffer"]["prompts_per_batch"]),
-        pool,
+        int(buffer["prompts_per_batch"]),
+        pools,
         from_dict(MetricsConfig, config.get("metrics", {})),
+        batch_samples=int(buffer["prompts_per_batch"]) * int(buffer["samples_per_prompt"]),
     )
     return loop.adjust
+
+
+def _each(pools: list[RolePool]) -> Callable[[list[Supervised]], None]:
+    """One supervisor turn's ``adjust`` for every pool."""
+
+    def adjust(procs: list[Supervised]) -> None:
+        for pool in pools:
+            pool.adjust(procs)
+
+    return adjust

@@ -268,7 +268,7 @@ def supervise(
                 continue
             if p.restartable and (code == EXIT_DRAINED or p.draining):
                 p.left = True  # asked to leave, or left on its own: not restarted
-                say(f"{p.name} left the run, drained (its leases went back); exit code {code}")
+                say(f"{p.name} left the run, drained (its work went back); exit code {code}")
                 continue
             if stop is not None and stop.is_set():
                 break  # deaths while stopping are the stop's doing

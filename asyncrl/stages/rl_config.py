@@ -124,7 +124,7 @@ class RLExperiment:
             check_rewards(self.task)
             check_environment(self.task)
             if self.placement == "elastic":
-                self.elastic.check(self.num_generators)
+                self.elastic.check(self.num_generators, self.reward.model_servers)
                 if self.engine.plan().attached:
                     raise ValueError(
                         "placement=elastic starts generators that launch their own servers; "
@@ -169,6 +169,12 @@ class RLExperiment:
             raise ConfigError(
                 "placement=colocated generates single completions: a task.environment "
                 "needs placement=async"
+            )
+        if self.reward.model_servers:
+            raise ConfigError(
+                "placement=colocated runs one process: reward.model_servers="
+                f"{self.reward.model_servers} needs placement=async or elastic (or 0 to "
+                "score in the trainer's process)"
             )
         if self.buffer.max_staleness != 0:  # step i trains only on tokens of version i
             log.warning(
@@ -243,8 +249,9 @@ class RLExperiment:
         fit_context(self.task, self.model.path, self.engine, self.sampling.max_new_tokens)
 
     def processes(self, config_path: str) -> list[ProcessSpec]:
-        """The buffer, the generators and the trainer ranks, each restarted when it dies
-        (the trainer ranks together); only the trainer when colocated."""
+        """The buffer, the generators, the reward servers and the trainer ranks, each
+        restarted when it dies (the trainer ranks together); only the trainer when
+        colocated."""
         if self.placement == "colocated":
             return trainer_ranks(self, config_path)
         rollout_path = str(Path(config_path).with_name("rollout.json"))
@@ -269,6 +276,16 @@ class RLExperiment:
                 threads=threads,
             )
             for i in range(self.num_generators)
+        ]
+        procs += [
+            ProcessSpec(
+                f"reward_{i}",
+                "asyncrl.buffer.reward_server",
+                ["--config", rollout_path, "--worker-id", f"r{i}"],
+                restartable=True,
+                threads=max(1, self.reward.model_threads),
+            )
+            for i in range(self.reward.model_servers)
         ]
         return procs + trainer_ranks(self, config_path, group="trainer")
 

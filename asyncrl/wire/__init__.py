@@ -8,7 +8,8 @@ Who sends what:
     LeaseRevoked   buffer -> generator    leases taken back: abort them, send nothing more
     Chunk          generator -> buffer    new tokens of a lease, streamed as they are made
     Heartbeat      generator/trainer -> buffer
-    Leaving        generator -> buffer    drained: every lease back, no more grants
+    Leaving        generator -> buffer    drained: every lease back, no more grants;
+                   reward server -> buffer  drained or stopping: its batches go to others
     BatchRequest   trainer rank -> buffer
     Batch          buffer -> trainer rank
     VersionAnnounce trainer -> buffer     the newest published weights version (or the
@@ -23,14 +24,18 @@ Who sends what:
     TransferAsk    generator -> trainer   "send that version into this server now"
     TransferDone   trainer -> generator   the answer: done, or why not
     ProbeReport    generator -> trainer   the probe's logprobs under weights just flipped in
+    ScoreAsk       reward server -> buffer  "I am free for a batch"
+    ScoreJob       buffer -> reward server  sequences to score
+    ScoreResult    reward server -> buffer  their scores
 
 Tensors never go through msgpack: ``asyncrl.weights.frames`` sends them as raw frames
 after a header. Nothing here, or anywhere on a socket, is pickled. ``WireDecoder``
 turns bad frames into counted ``WireError`` kinds instead of exceptions that could crash
 a process.
 
-The messages live in ``asyncrl.wire.buffer`` (the buffer at one end) and
-``asyncrl.wire.weights`` (weights between the trainer and the generators); this module is
+The messages live in ``asyncrl.wire.buffer`` (the buffer at one end),
+``asyncrl.wire.rewards`` (the buffer and its reward servers) and ``asyncrl.wire.weights``
+(weights between the trainer and the generators); this module is
 the codec, and ``ANY_MESSAGE`` the one list of what a socket may carry.
 """
 
@@ -59,6 +64,7 @@ from asyncrl.wire.buffer import (
     SamplingSpec,
     VersionAnnounce,
 )
+from asyncrl.wire.rewards import ScoreAsk, ScoreJob, ScoreResult
 from asyncrl.wire.weights import (
     AnchorRequest,
     ProbeReport,
@@ -94,6 +100,9 @@ __all__ = [
     "ProbeReport",
     "Sample",
     "SamplingSpec",
+    "ScoreAsk",
+    "ScoreJob",
+    "ScoreResult",
     "TensorMeta",
     "TensorSpan",
     "TransferAsk",
@@ -128,6 +137,9 @@ ANY_MESSAGE = (
     | WeightsBucket
     | AnchorRequest
     | ProbeReport
+    | ScoreAsk
+    | ScoreJob
+    | ScoreResult
 )
 
 ErrorKind = Literal["decode", "protocol", "run_id", "unexpected", "frames"]

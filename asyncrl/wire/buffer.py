@@ -140,7 +140,11 @@ class Leaving(Message):
     message on the same socket. The buffer takes back every lease it holds at once
     (``leases_revoked_drained``), each sample first in line with its tokens as the next
     holder's prefix, grants this process nothing more, and answers with ``LeaseRevoked``
-    (``left``) naming what it took back, possibly nothing: the generator may then exit."""
+    (``left``) naming what it took back, possibly nothing: the generator may then exit.
+
+    A reward server sends it too, on the buffer's reward socket, when it stops or is
+    drained: every batch it answered went before it, and what it still held goes to
+    another server at once."""
 
     worker_id: str
     incarnation: str

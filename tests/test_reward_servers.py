@@ -1,0 +1,274 @@
+"""Reward scoring as a role of its own: the buffer's ``RewardDispatch`` against real
+reward-server processes (``python -m asyncrl.buffer.reward_server``) on the tiny reward
+model. Every submitted sequence comes back once, with the score the in-process scorer
+gives, while servers are frozen and killed mid-batch, drained, and started anew."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncrl.buffer.config import RolloutConfig
+from asyncrl.buffer.reward_dispatch import RewardDispatch
+from asyncrl.buffer.reward_model import score_sequences
+from asyncrl.buffer.rewards import RewardConfig
+from asyncrl.config import ConfigError, save_json
+from asyncrl.liveness import EXIT_DRAINED
+from asyncrl.metrics import read_metrics
+from asyncrl.models import ModelConfig, load_model
+from tests.test_elastic_launch import ROOT, _read_into, _trained, _wait
+
+
+def _config(tmp_path: Path, rm_path: str, batch: int = 4, timeout_s: float = 6.0):
+    reward = RewardConfig(
+        workers=0,
+        source="model",
+        model_path=rm_path,
+        model_batch_size=batch,
+        model_servers=2,
+        model_timeout_s=timeout_s,
+    )
+    cfg = RolloutConfig(run_dir=str(tmp_path), run_id="rw", reward=reward)
+    path = tmp_path / "rollout.json"
+    save_json(cfg, path)
+    return cfg, path
+
+
+def _server(path: Path, worker_id: str, tmp_path: Path) -> subprocess.Popen:
+    log = open(tmp_path / f"{worker_id}.log", "ab")
+    return subprocess.Popen(
+        [sys.executable, "-m", "asyncrl.buffer.reward_server", "--config", str(path)]
+        + ["--worker-id", worker_id],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+def _sequences(n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        torch.randint(3, 20, (int(k),), generator=g).tolist()
+        for k in torch.randint(2, 30, (n,), generator=g)
+    ]
+
+
+def _collect(dispatch: RewardDispatch, got: dict, until, timeout_s: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not until():
+        for key, score in dispatch.poll():
+            assert key not in got, f"{key} scored twice"
+            got[key] = score
+        assert time.monotonic() < deadline, f"stuck: {dispatch.counters()}"
+        time.sleep(0.01)
+
+
+def _holds_a_batch(dispatch: RewardDispatch, worker_id: str) -> bool:
+    return any(job.identity == worker_id.encode() for job in dispatch.jobs.values())
+
+
+def _settle(dispatch: RewardDispatch, got: dict, seconds: float) -> None:
+    """Take what arrives for ``seconds``."""
+    end = time.monotonic() + seconds
+    _collect(dispatch, got, lambda: time.monotonic() > end)
+
+
+def _freeze_holding_a_batch(dispatch, got, proc, worker_id: str) -> None:
+    """SIGSTOP ``proc`` while it holds a batch: an answer sent just before the stop has
+    half a second to arrive, and if it did, the server is let go and caught again."""
+    for _ in range(20):
+        _collect(dispatch, got, lambda: _holds_a_batch(dispatch, worker_id))
+        proc.send_signal(signal.SIGSTOP)
+        _settle(dispatch, got, 0.5)
+        if _holds_a_batch(dispatch, worker_id):
+            return
+        proc.send_signal(signal.SIGCONT)
+    pytest.fail(f"{worker_id} never held a batch when stopped")
+
+
+def test_reward_servers_score_every_sequence_once_through_kills_and_drains(tmp_path, rm_dir):
+    cfg, path = _config(tmp_path, rm_dir)
+    dispatch = RewardDispatch(cfg)
+    rm = load_model(ModelConfig(path=rm_dir, head="value")).eval()
+    seqs = _sequences(240)
+    expected = {i: score_sequences(rm, [s], 0)[0] for i, s in enumerate(seqs)}
+    got: dict[int, float] = {}
+    procs = {w: _server(path, w, tmp_path) for w in ("r0", "r1")}
+    try:
+        for i, s in enumerate(seqs[:120]):
+            dispatch.submit(i, s)
+        # r0 frozen while it holds a batch, then killed: its batch must go to another.
+        _collect(dispatch, got, lambda: len(got) >= 8)
+        _freeze_holding_a_batch(dispatch, got, procs["r0"], "r0")
+        procs["r0"].kill()
+        for i, s in enumerate(seqs[120:], start=120):
+            dispatch.submit(i, s)
+        _collect(dispatch, got, lambda: len(got) >= 160)
+        # r1 drained while it works; r2 joins and scores the rest.
+        procs["r1"].send_signal(signal.SIGUSR1)
+        assert procs["r1"].wait(30) == EXIT_DRAINED
+        procs["r2"] = _server(path, "r2", tmp_path)
+        _collect(dispatch, got, lambda: len(got) == len(seqs))
+        counters = dispatch.counters()
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+        dispatch.close()
+    assert sorted(got) == list(range(len(seqs)))
+    assert dispatch.pending() == 0
+    for i, score in got.items():  # the same score as alone in the buffer's own scorer
+        assert score == pytest.approx(expected[i], abs=1e-5), i
+    assert counters["resent"] >= 1  # the killed server's batch
+    assert counters["scored"] == len(seqs) and counters["errors"] == 0
+    assert counters["queue"] == 0 and counters["in_service"] == 0
+    assert counters["latency_s"] > 0 and counters["service_s"] > 0
+
+
+def test_a_late_answer_for_a_batch_sent_again_is_dropped(tmp_path, rm_dir):
+    """A server frozen past the timeout answers after its batch went to another: the
+    buffer keeps the other's scores and counts the late answer."""
+    cfg, path = _config(tmp_path, rm_dir, batch=8, timeout_s=5.0)
+    dispatch = RewardDispatch(cfg)
+    got: dict[int, float] = {}
+    first = _server(path, "r0", tmp_path)
+    second = None
+    try:
+        _collect(dispatch, got, lambda: bool(dispatch.free))  # r0 asked for work
+        first.send_signal(signal.SIGSTOP)
+        for i, s in enumerate(_sequences(8)):
+            dispatch.submit(i, s)
+        _collect(dispatch, got, lambda: _holds_a_batch(dispatch, "r0"))  # the only batch
+        second = _server(path, "r1", tmp_path)
+        _collect(dispatch, got, lambda: len(got) == 8)  # after the timeout, by r1
+        first.send_signal(signal.SIGCONT)
+        _collect(dispatch, got, lambda: dispatch.counts["late_results"] >= 1, 30)
+    finally:
+        for p in (first, second):
+            if p is not None:
+                p.kill()
+                p.wait()
+        dispatch.close()
+    assert dispatch.counts["resent"] == 1 and dispatch.counts["scored"] == 8
+
+
+def test_reward_servers_need_a_reward_model_and_a_separate_process(tmp_path):
+    with pytest.raises(ValueError, match="reward.model_servers=2 needs a reward model"):
+        RewardConfig(model_servers=2).check()
+    with pytest.raises(ValueError, match="reward.model_timeout_s=3 must be above 4"):
+        RewardConfig(source="model", model_path="x", model_timeout_s=3).check()
+    from asyncrl.config import apply_overrides, load_experiment
+
+    cfg = load_experiment("experiments/tiny_grpo.py")
+    overrides = [
+        "placement=colocated",
+        "reward.source=model",
+        "reward.model_path=somewhere",
+        "reward.model_servers=1",
+    ]
+    apply_overrides(cfg, overrides)
+    with pytest.raises(ConfigError, match="placement=colocated runs one process: reward"):
+        cfg.finalize()
+
+
+def test_an_rl_run_starts_its_reward_servers_as_processes_of_their_own(tmp_path):
+    from asyncrl.config import apply_overrides, load_experiment
+
+    cfg = load_experiment("experiments/tiny_grpo.py")
+    apply_overrides(
+        cfg,
+        [
+            f"run_dir={tmp_path}",
+            "reward.source=model",
+            "reward.model_path=somewhere",
+            "reward.model_servers=2",
+            "reward.model_threads=2",
+        ],
+    )
+    cfg.finalize()
+    procs = {p.name: p for p in cfg.processes(str(tmp_path / "config.json"))}
+    assert {"reward_0", "reward_1"} <= procs.keys()
+    assert procs["reward_1"].module == "asyncrl.buffer.reward_server"
+    assert procs["reward_1"].args[-2:] == ["--worker-id", "r1"]
+    assert procs["reward_1"].restartable and procs["reward_1"].threads == 2
+    saved = json.loads((tmp_path / "rollout.json").read_text())
+    assert saved["reward"]["model_servers"] == 2
+
+
+def _servers_known(run_dir: Path) -> float:
+    """The reward servers the buffer knows, in its latest metrics."""
+    records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+    known = [r["buffer/reward_model_servers"] for r in records if r["process"] == "buffer"]
+    return known[-1] if known else 0.0
+
+
+def test_a_reward_server_joins_and_leaves_a_running_run_losing_nothing(
+    tmp_path, tiny_model_dir, rm_dir
+):
+    """Through the real local launcher: the reward model scored by a reward server of its
+    own; asked for two, a second starts and scores; asked for one, it is drained, not
+    restarted, and the run trains on. Every finished sample was scored once, none as an
+    error, none sent again."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "launch/local.py", "experiments/tiny_grpo.py", f"run_dir={run_dir}"]
+    cmd += [
+        f"model.path={tiny_model_dir}",
+        "rl.max_steps=1000000",
+        "time_limit_s=600",  # bounds a broken run only: the test stops it
+        "eval.every_steps=0",
+        "task.train_size=200",
+        "buffer.prompts_per_batch=2",
+        "buffer.samples_per_prompt=4",
+        "buffer.dynamic_sampling=false",
+        "reward.source=model",
+        f"reward.model_path={rm_dir}",
+        "reward.model_servers=1",
+        "reward.model_batch_size=4",
+        "metrics.interval_s=0.5",
+        "metrics.tensorboard=false",
+    ]
+    launcher = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=_read_into, args=(launcher.stdout, lines), daemon=True)
+    reader.start()
+    control = run_dir / "control" / "rewards"
+    try:
+        _wait(lambda: _trained(run_dir) >= 2, 120, "a trained step")
+        control.write_text("2\n")
+        _wait(lambda: _servers_known(run_dir) == 2, 60, "reward_1 to ask for work")
+        after = _trained(run_dir)
+        _wait(lambda: _trained(run_dir) >= after + 5, 120, "steps with two reward servers")
+        control.write_text("1\n")
+        _wait(lambda: any("reward_1 left the run" in line for line in lines), 120, "reward_1 to go")
+        after = _trained(run_dir)
+        _wait(lambda: _trained(run_dir) >= after + 5, 120, "steps after reward_1 left")
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=120)
+    finally:
+        launcher.kill()
+    reader.join(timeout=30)
+    out = "".join(lines)
+    assert launcher.returncode == 130, out[-3000:]
+    assert "rewards: draining reward_1 (wanted: 1)" in out and "restart" not in out, out[-3000:]
+    scored_by_1 = (run_dir / "logs" / "reward_1.log").read_text()
+    assert " sequences scored" in scored_by_1 and "r1: 0 sequences" not in scored_by_1
+    c = json.loads((run_dir / "buffer_counters.json").read_text())
+    assert c["buffer/samples_scored"] == c["buffer/reward_model_scored"] > 0, c
+    assert c["buffer/reward_model_errors"] == 0 and c["buffer/reward_model_late_results"] == 0
+    ended = sum(
+        c.get(f"buffer/samples_{k}", 0) for k in ("consumed", "stale", "filtered", "failed")
+    )
+    assert c["buffer/samples_created"] == ended + c["buffer/in_flight_samples"], c
+    logged = [r for r in read_metrics(run_dir) if "buffer/reward_model_latency_s" in r]
+    assert logged and max(r["buffer/reward_model_servers"] for r in logged) == 2
