@@ -130,3 +130,53 @@ def test_compare_policies_pairs_the_problems(tiny_model_dir):
     assert 0 < figures["problems"] <= 30
     assert figures["accuracy_a"] == figures["accuracy_b"]
     assert figures["b_right_a_wrong"] == figures["a_right_b_wrong"] == 0
+
+
+def _elastic_study():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "elastic_study", ROOT / "tools" / "elastic_study.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_elastic_study_runs_each_fixed_count_and_an_elastic_run_not_told_the_best():
+    study = _elastic_study()
+    args = study.argparse.Namespace(
+        role="rewards", counts="1,2", seeds="0,1", time_limit=60.0, reward_model="rm", set=["a=b"]
+    )
+    points = {p.name: p for p in study.points_for(args)}
+    assert sorted(points) == [
+        "elastic_s0",
+        "elastic_s1",
+        "fixed1_s0",
+        "fixed1_s1",
+        "fixed2_s0",
+        "fixed2_s1",
+    ]
+    assert "reward.model_servers=2" in points["fixed2_s1"].overrides
+    elastic = points["elastic_s0"].overrides
+    assert {"placement=elastic", "reward.model_servers=1", "elastic.max_reward_servers=2"} <= set(
+        elastic
+    )
+    assert {"reward.source=model", "reward.model_path=rm", "a=b", "seed=0"} <= set(elastic)
+    rows = [
+        {"seed": s, "placement": p, "count": c, "trained_tokens_per_s": v, "elastic": None}
+        for s, p, c, v in [
+            (0, "fixed", 1, 100.0),
+            (0, "fixed", 2, 150.0),
+            (0, "elastic", 1, 141.0),
+            (1, "fixed", 1, 110.0),
+            (1, "fixed", 2, 130.0),
+            (1, "elastic", 1, 147.0),
+        ]
+    ]
+    summary = study.summarize(rows, "rewards")
+    assert summary["fixed_trained_tokens_per_s"] == {"1": 105.0, "2": 140.0}
+    assert summary["elastic_trained_tokens_per_s"] == 144.0
+    assert summary["elastic_against_best_fixed"] == pytest.approx(144 / 140 - 1)
+    with pytest.raises(SystemExit, match="--reward-model"):
+        study.points_for(study.argparse.Namespace(**{**vars(args), "reward_model": ""}))

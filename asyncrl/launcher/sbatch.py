@@ -101,6 +101,7 @@ def check_layout(
     """The stage's trainer ranks and its other processes, after checking they fit."""
     ranks = [p for p in stage.processes if p.rank is not None]
     others = [p for p in stage.processes if p.rank is None]
+    # Generators and reward servers: each holds CPUs (and GPUs) of its own on a gen node.
     generators = [p for p in others if p.restartable]
     if not ranks:
         raise LayoutError("the experiment starts no trainer ranks, so nothing would end the job")
@@ -117,10 +118,13 @@ def check_layout(
             f"{opts.train_nodes} trainer nodes"
         )
     if generators and opts.gen_nodes == 0:
-        raise LayoutError(f"{len(generators)} generator(s) need --gen-nodes of at least 1")
+        raise LayoutError(
+            f"{len(generators)} generator(s) and reward server(s) need --gen-nodes of at least 1"
+        )
     if opts.gen_nodes > max(len(generators), 1 if others else 0):  # a node would sit idle
         raise LayoutError(
-            f"--gen-nodes {opts.gen_nodes} but the experiment starts {len(generators)} generator(s)"
+            f"--gen-nodes {opts.gen_nodes} but the experiment starts {len(generators)} "
+            "generator(s) and reward server(s)"
         )
     if len({(p.module, tuple(p.args), p.threads) for p in ranks}) != 1:
         raise LayoutError(
