@@ -30,8 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from asyncrl.config import from_dict
-from asyncrl.elastic import Controller, ElasticConfig, Signals, StepRecord, signals
-from asyncrl.launcher.pool import GENERATORS, REWARDS, RolePool, role_pools
+from asyncrl.elastic import Controller, ElasticConfig, Move, Signals, StepRecord, signals
+from asyncrl.launcher.pool import GENERATORS, REWARDS, Role, RolePool, role_pools
 from asyncrl.launcher.supervise import Supervised, say
 from asyncrl.metrics import MetricsConfig, MetricsLogger
 
@@ -47,7 +47,7 @@ class ElasticLoop:
         run_dir: Path,
         cfg: ElasticConfig,
         batch_groups: int,
-        pools: dict,
+        pools: dict[Role, RolePool],
         metrics: MetricsConfig,
         batch_samples: int = 0,
     ) -> None:
@@ -103,7 +103,7 @@ class ElasticLoop:
         self.checks += 1
         self.log.log(self.checks, scalars)
 
-    def _carry_out(self, move, generators: int, reward_servers: int) -> dict[str, float]:
+    def _carry_out(self, move: Move, generators: int, reward_servers: int) -> dict[str, float]:
         """Ask the move's pool for its new count (within the configured range); the
         scalars that record it."""
         cfg = self.cfg
@@ -149,6 +149,8 @@ class ElasticLoop:
             elif "buffer/ready_groups" in record:
                 self.ready = record["buffer/ready_groups"]
                 self.reward_queue = record.get("buffer/reward_model_queue", 0.0)
+                if self.busy and record["time"] < self.busy[-1][0]:
+                    self.busy.clear()  # a restarted buffer: its clock and count begin again
                 if "buffer/reward_model_busy_s" in record:
                     self.busy.append((record["time"], record["buffer/reward_model_busy_s"]))
         while self.steps and self.steps[0][0] < now - self.cfg.window_s:
