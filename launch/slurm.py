@@ -20,8 +20,13 @@ every interface (``transport.scheme=tcp transport.host=*``); a one-node job keep
 experiment's transport.
 
 Missing inputs (an experiment's ``prerequisites()``, e.g. the SFT policy) are made on the
-cluster, not on this (login) machine: the experiments that make them are submitted first, as a trainer-only job on
-the trainer nodes, and this job waits for it to succeed (``--dependency=afterok``).
+cluster, not on this (login) machine: the experiments that make them are submitted first,
+as a trainer-only job on the trainer nodes, and this job waits for it to succeed
+(``--dependency=afterok``). With ``--one-allocation`` the chain is one job instead: each
+missing stage runs first in the job's own allocation, its trainer ranks on every node
+that splits them evenly (SFT and reward-model training take the whole allocation), then
+the experiment splits the same nodes between generators and trainer; no second wait in
+the queue, and a stage that fails ends the job.
 """
 
 from __future__ import annotations
@@ -69,6 +74,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, SlurmOptions
     )
     add_stall_option(parser)
     parser.add_argument("--dry-run", action="store_true", help="print the script; submit nothing")
+    parser.add_argument(
+        "--one-allocation",
+        action="store_true",
+        help="run missing prerequisite stages inside this job's allocation, not as jobs of their own",
+    )
     args = parser.parse_intermixed_args(argv)
     opts = SlurmOptions(
         args.gen_nodes,
@@ -96,15 +106,17 @@ def across_nodes(cfg) -> None:
         transport.scheme, transport.host = "tcp", "*"
 
 
-def init_options(cfg, opts: SlurmOptions) -> SlurmOptions:
+def init_options(cfg, opts: SlurmOptions, one_allocation: bool = False) -> SlurmOptions:
     """A trainer-only stage that runs first: its ranks on as many of the trainer nodes as
-    split them evenly."""
-    ranks, most = cfg.trainer.num_ranks, min(opts.train_nodes, opts.total_nodes)
+    split them evenly, in a job of its own; or, in the experiment's allocation, on as many
+    of all its nodes."""
+    ranks = cfg.trainer.num_ranks
+    most = opts.total_nodes if one_allocation else min(opts.train_nodes, opts.total_nodes)
     nodes = max(n for n in range(1, most + 1) if ranks % n == 0)
     return SlurmOptions(
         0,
         nodes,
-        nodes,
+        opts.total_nodes if one_allocation else nodes,
         opts.partition,
         opts.time,
         opts.account,
@@ -130,20 +142,19 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    for cfg in chain[:-1]:
+        where = "first in the same allocation" if args.one_allocation else "first, as its own job"
+        print(
+            f"[slurm] an input of {chain[-1].name} is missing: {cfg.name} runs {where}",
+            file=sys.stderr,
+        )
+    try:
+        jobs = scripts(chain, opts, args.one_allocation)
+    except (ConfigError, LayoutError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     after = None
-    for cfg in chain:
-        stage_opts = opts if cfg is chain[-1] else init_options(cfg, opts)
-        if cfg is not chain[-1]:
-            print(
-                f"[slurm] an input of {chain[-1].name} is missing: {cfg.name} runs first, as its own job",
-                file=sys.stderr,
-            )
-        try:
-            stage: Prepared = prepare(cfg, across_nodes if stage_opts.total_nodes > 1 else None)
-            text = sbatch_script(stage, stage_opts, Path.cwd())
-        except (ConfigError, LayoutError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+    for stage, text in jobs:
         script = stage.run_dir / SCRIPT_NAME
         script.write_text(text)
         if args.dry_run:
@@ -162,6 +173,20 @@ def main(argv: list[str] | None = None) -> int:
             f"[slurm] submitted batch job {after}; run directory {stage.run_dir.resolve()}; output {out}"
         )
     return 0
+
+
+def scripts(chain: list, opts: SlurmOptions, one_allocation: bool) -> list[tuple[Prepared, str]]:
+    """Each job to submit, in order, with its script: one per stage, or with
+    ``one_allocation`` one job that runs the whole chain."""
+    prepared = []
+    for cfg in chain:
+        stage_opts = opts if cfg is chain[-1] else init_options(cfg, opts, one_allocation)
+        stage = prepare(cfg, across_nodes if stage_opts.total_nodes > 1 else None)
+        prepared.append((stage, stage_opts))
+    if one_allocation:
+        (stage, stage_opts), before = prepared[-1], prepared[:-1]
+        return [(stage, sbatch_script(stage, stage_opts, Path.cwd(), before=before))]
+    return [(stage, sbatch_script(stage, o, Path.cwd())) for stage, o in prepared]
 
 
 if __name__ == "__main__":

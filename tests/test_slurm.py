@@ -320,3 +320,23 @@ def test_a_generator_step_joins_and_leaves_a_slurm_job_losing_nothing(
     assert not re.search(r"; restart \d+ of", output), output[-3000:]  # nothing died
     assert_drained_and_balanced(run_dir, "g1")
     wait_for(lambda: processes_of(run_dir) == [], 30, "every process to exit")
+
+
+@pytest.mark.slurm
+@pytest.mark.slow  # two stages, about two minutes; the dry run is in CI
+def test_a_chain_runs_in_one_allocation_sft_first_then_rl(tmp_path, slurm_cluster):
+    """tiny_grpo with its SFT start missing, ``--one-allocation``: one job, which trains
+    tiny_sft on the allocation, then runs RL from its export, and ends COMPLETED."""
+    cmd = [sys.executable, str(ROOT / "launch/slurm.py"), str(ROOT / "experiments/tiny_grpo.py")]
+    cmd += ["--gen-nodes", "1", "--train-nodes", "1", "--nodes", "1", "--one-allocation"]
+    cmd += [f"run_dir={tmp_path / 'rl'}", "rl.max_steps=4", *SHORT_RUN]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "tiny_sft runs first in the same allocation" in proc.stderr
+    [job] = re.findall(r"submitted batch job (\d+);", proc.stdout)
+    wait_for(lambda: job_gone(job), 400, f"job {job} to end")
+    output = job_output(tmp_path / "rl", job)
+    assert job_state(job) == ("COMPLETED", "0:0"), output[-3000:]
+    assert output.index("tiny_sft: generator nodes: none") < output.index("tiny_grpo: generator")
+    assert (tmp_path / "runs" / "models" / "tiny-sft" / "config.json").exists()
+    assert json.loads((tmp_path / "rl" / "summary.json").read_text())["steps"] == 4

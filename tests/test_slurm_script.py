@@ -159,6 +159,33 @@ def test_dry_run_with_a_missing_start_checkpoint_submits_that_stage_first(
     assert list(script_steps(sft_script)) == ["trainer"]
 
 
+def test_one_allocation_runs_the_missing_stage_first_inside_the_same_job(
+    tmp_path, monkeypatch, capsys
+):
+    """With --one-allocation the chain is one job: tiny_sft's steps on every node that
+    splits its ranks, then tiny_grpo's, split between generators and trainer."""
+    monkeypatch.chdir(tmp_path)
+    out, err = dry_run_here(
+        capsys, "--gen-nodes", "1", "--train-nodes", "2", "trainer.num_ranks=2", "--one-allocation"
+    )
+    assert "tiny_sft runs first in the same allocation" in err
+    assert re.findall(r"#SBATCH --job-name=(\S+)", out) == ["asyncrl-tiny_grpo"]
+    assert out.count("#!/bin/bash") == 1 and "#SBATCH --nodes=3" in out
+    sft, rl = out.split("<<STEPS\n")[1:]
+    # tiny_sft's one rank: one node of the three, the last; its supervisor must end well
+    # (no exec) for the script to go on to RL, which the job's supervisor then becomes.
+    sft_block, rl_block = out.split("# tiny_sft:")[1], out.split("# tiny_grpo:")[1]
+    assert (
+        'GEN_NODES=("${NODES[@]:0:0}")' in sft_block
+        and 'TRAIN_NODES=("${NODES[@]:2:1}")' in sft_block
+    )
+    assert "\nexec " not in sft_block.split("<<STEPS")[0] and "asyncrl.stages.sft" in sft
+    assert (
+        'TRAIN_NODES=("${NODES[@]:1:2}")' in rl_block and "\nexec " in rl_block.split("<<STEPS")[0]
+    )
+    assert {"buffer", "generator_0", "trainer"} <= set(script_steps("<<STEPS\n" + rl))
+
+
 def _stage(ranks: int, generators: int) -> Prepared:
     specs = [ProcessSpec("buffer", "asyncrl.buffer.server", [])]
     specs += [

@@ -264,39 +264,65 @@ def job_header(stage: Prepared, opts: SlurmOptions, workdir: Path) -> list[str]:
 
 
 def sbatch_script(
-    stage: Prepared, opts: SlurmOptions, workdir: Path, python: str = sys.executable
+    stage: Prepared,
+    opts: SlurmOptions,
+    workdir: Path,
+    python: str = sys.executable,
+    before: list[tuple[Prepared, SlurmOptions]] = (),
 ) -> str:
-    """The whole batch script for ``stage`` (raises ``LayoutError`` when it cannot fit)."""
+    """The whole batch script for ``stage`` (raises ``LayoutError`` when it cannot fit).
+    ``before``: stages that run first in the same allocation, one after another, each
+    with its own placement over the job's nodes (a chain on one allocation: SFT and the
+    reward model on every node, then RL split between generators and trainer)."""
     opts = replace(opts, gpus_per_node=job_gpus_per_node(stage.cfg, stage.processes, opts))
-    steps = process_steps(stage, opts, python)
-    n, m, k = opts.gen_nodes, opts.train_nodes, opts.total_nodes
-    run_dir = stage.run_dir.resolve()
+    blocks = [
+        stage_block(first, replace(o, gpus_per_node=opts.gpus_per_node), python, final=False)
+        for first, o in before
+    ]
+    blocks.append(stage_block(stage, opts, python, final=True))
+    k = opts.total_nodes
     prologue = f"""set -euo pipefail
-# This allocation's nodes, in order: generators (and the buffer) on the first {n},
-# trainer ranks on the last {m}; the groups overlap when the job has fewer nodes.
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 if [ "${{#NODES[@]}}" -ne {k} ]; then
   echo "expected {k} nodes, got: ${{NODES[*]:-none}}" >&2
   exit 1
 fi
+# torchrun's c10d rendezvous store listens on the first trainer node. The port follows from
+# the job id (below Linux's ephemeral range), so jobs sharing a node do not collide.
+RDZV_PORT=$((10000 + SLURM_JOB_ID % 20000))
+export PYTHONUNBUFFERED=1
+# Each step line: step name, policy (comma-separated: restart: a generator, started again
+# when it dies | group=G: restarted with its group from saved state | max_restarts=N |
+# final: the stage ends when it exits 0 | once: a death ends the job), then the srun command."""
+    header = [
+        "#!/bin/bash",
+        f"# asyncrl: {stage.cfg.name} in {stage.run_dir.resolve()} (written by launch/slurm.py)",
+        *job_header(stage, opts, workdir),
+    ]
+    return "\n".join([*header, prologue, *blocks, ""])
+
+
+def stage_block(stage: Prepared, opts: SlurmOptions, python: str, final: bool) -> str:
+    """One stage's part of the script: its node groups over the allocation, then its
+    steps handed to the job's supervisor (``exec`` for the job's last stage; an earlier
+    one must end well for the script to go on)."""
+    steps = process_steps(stage, opts, python)
+    n, m, k = opts.gen_nodes, opts.train_nodes, opts.total_nodes
+    run_dir = stage.run_dir.resolve()
+    run = "exec " if final else ""
+    return "\n".join(
+        [
+            f"""# {stage.cfg.name}: generators (and the buffer) on the first {n} nodes, trainer ranks
+# on the last {m}; the groups overlap when the job has fewer nodes.
 GEN_NODES=("${{NODES[@]:0:{n}}}")
 TRAIN_NODES=("${{NODES[@]:{k - m}:{m}}}")
 TRAIN_NODELIST=$(IFS=,; echo "${{TRAIN_NODES[*]}}")
 TRAIN_HEAD=${{TRAIN_NODES[0]}}
-# torchrun's c10d rendezvous store listens on the first trainer node. The port follows from
-# the job id (below Linux's ephemeral range), so jobs sharing a node do not collide.
-RDZV_PORT=$((10000 + SLURM_JOB_ID % 20000))
-echo "[slurm] job $SLURM_JOB_ID: generator nodes: ${{GEN_NODES[*]:-none}}; trainer nodes: ${{TRAIN_NODES[*]}};" \\
-  "rendezvous $TRAIN_HEAD:$RDZV_PORT"
-export PYTHONUNBUFFERED=1
-# Each line: step name, policy (comma-separated: restart: a generator, started again when
-# it dies | group=G: restarted with its group from saved state | max_restarts=N | final:
-# the run ends when it exits 0 | once: a death ends the job), then the srun command.
-exec {shlex.quote(python)} -m asyncrl.launcher.slurm_job {shlex.quote(str(run_dir))} \\
-  --stall-timeout-s {opts.stall_timeout_s:g} <<STEPS"""
-    header = [
-        "#!/bin/bash",
-        f"# asyncrl: {stage.cfg.name} in {run_dir} (written by launch/slurm.py)",
-        *job_header(stage, opts, workdir),
-    ]
-    return "\n".join([*header, prologue, *steps, "STEPS", ""])
+echo "[slurm] job $SLURM_JOB_ID, {stage.cfg.name}: generator nodes: ${{GEN_NODES[*]:-none}};" \\
+  "trainer nodes: ${{TRAIN_NODES[*]}}; rendezvous $TRAIN_HEAD:$RDZV_PORT"
+{run}{shlex.quote(python)} -m asyncrl.launcher.slurm_job {shlex.quote(str(run_dir))} \\
+  --stall-timeout-s {opts.stall_timeout_s:g} <<STEPS""",
+            *steps,
+            "STEPS",
+        ]
+    )
