@@ -272,3 +272,27 @@ def test_a_reward_server_joins_and_leaves_a_running_run_losing_nothing(
     assert c["buffer/samples_created"] == ended + c["buffer/in_flight_samples"], c
     logged = [r for r in read_metrics(run_dir) if "buffer/reward_model_latency_s" in r]
     assert logged and max(r["buffer/reward_model_servers"] for r in logged) == 2
+
+
+def test_a_bad_frame_on_the_reward_socket_is_counted_and_dropped(tmp_path, rm_dir):
+    import zmq
+
+    from asyncrl.transport import read_endpoints
+
+    cfg, _ = _config(tmp_path, rm_dir)
+    dispatch = RewardDispatch(cfg)
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.DEALER)
+    try:
+        peer.connect(read_endpoints(tmp_path, "rewards")["jobs"])
+        peer.send(b"not msgpack")
+        peer.send_multipart([b"two", b"frames"])
+        _collect(dispatch, {}, lambda: len(dispatch.decoder.errors) == 2, 10)
+        dispatch.submit(0, [3, 4, 5])
+        assert dispatch.poll() == [] and dispatch.counters()["queue"] == 1  # still waiting
+    finally:
+        peer.close(0)
+        ctx.term()
+        dispatch.close()
+    assert dispatch.counters()["bad_frames_decode"] == 1
+    assert dispatch.counters()["bad_frames_frames"] == 1

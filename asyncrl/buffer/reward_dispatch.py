@@ -103,9 +103,13 @@ class RewardDispatch:
         now = time.monotonic()
         for _ in range(DRAIN):
             try:
-                identity, frame = self.sock.recv_multipart(zmq.NOBLOCK)
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
+            if len(frames) != 2:  # identity and one message, nothing else
+                self.decoder.count("frames", f"rewards: {len(frames)} frames")
+                continue
+            identity, frame = frames
             message = self.decoder.try_decode(frame, "rewards")
             if message is not None:
                 self._handle(identity, message, now)
@@ -121,11 +125,13 @@ class RewardDispatch:
 
     def counters(self) -> dict[str, float]:
         """The counts above, ``busy_s`` (the servers' seconds on answered batches: its rate
-        over servers is their busy share), and the gauges: ``queue``, ``in_service``,
+        over servers is their busy share), frames dropped by kind (``bad_frames_*``), and
+        the gauges: ``queue``, ``in_service``,
         ``servers``, ``latency_s`` and ``service_s`` (means over the latest sequences and
         batches)."""
         out: dict[str, float] = dict(self.counts)
         out["busy_s"] = self.busy_s
+        out.update({f"bad_frames_{k}": v for k, v in self.decoder.errors.items()})
         out["queue"] = len(self.queue)
         out["in_service"] = sum(len(job.items) for job in self.jobs.values())
         out["servers"] = len(self.servers)
