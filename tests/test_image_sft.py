@@ -50,3 +50,26 @@ def test_more_than_one_rank_is_refused_before_any_process(tmp_path):
     cfg = apply_overrides(cfg, [f"run_dir={tmp_path}", "trainer.num_ranks=2"])
     with pytest.raises(ConfigError, match="trainer.num_ranks=2: the image stages train on one"):
         cfg.finalize()
+
+
+def test_every_seed_and_stage_judges_the_same_held_out_scenes():
+    """The held-out scenes are ``eval.seed``'s, not the run's: seeds of a study compare
+    policies on one set of scenes."""
+    from asyncrl.stages.image_sft import held_out_scenes
+
+    runs = [
+        load_experiment(ROOT / "experiments" / f"{name}.py")
+        for name in ("image_sft", "image_grpo", "image_dpo")
+    ]
+    for cfg in runs:
+        apply_overrides(cfg, ["seed=7"])
+    scenes = [held_out_scenes(cfg.eval) for cfg in runs]
+    assert (
+        scenes[0]
+        == scenes[1]
+        == scenes[2]
+        == held_out_scenes(load_experiment(ROOT / "experiments" / "image_grpo.py").eval)
+    )
+    other = load_experiment(ROOT / "experiments" / "image_grpo.py")
+    apply_overrides(other, ["eval.seed=1"])
+    assert held_out_scenes(other.eval) != scenes[0]

@@ -22,11 +22,10 @@ from asyncrl.algorithms.preference import DPOLossConfig
 from asyncrl.config import ConfigError
 from asyncrl.image.model import ImagePolicy, to_pixels
 from asyncrl.image.pairs import PicturePairs
-from asyncrl.image.scenes import sample_scenes
 from asyncrl.metrics import MetricsConfig, MetricsLogger
 from asyncrl.stages.common import ProcessSpec, out_of_time, stage_main, trainer_ranks
 from asyncrl.stages.image_pairs import ImagePairsConfig, load_or_make
-from asyncrl.stages.image_sft import ImageEvalConfig, judge_and_show
+from asyncrl.stages.image_sft import ImageEvalConfig, held_out_scenes, judge_and_show
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import adamw
 from asyncrl.trainer.dist import DistInfo
@@ -39,7 +38,8 @@ class ImageDPOExperiment:
     run_dir: str = ""
     """Run directory; empty means ``runs/NAME-TIME``."""
     seed: int = 0
-    """Seed of the batches, the noise of each pair and the evaluation set."""
+    """Seed of the batches and the noise of each pair (the held-out scenes are
+    ``eval.seed``'s)."""
     time_limit_s: float = 0.0
     """Stop after this many seconds of training (0: no limit); the run still exports."""
     pairs: ImagePairsConfig = field(default_factory=ImagePairsConfig)
@@ -105,7 +105,7 @@ def run(cfg: ImageDPOExperiment, info: DistInfo) -> dict:
     reference = copy.deepcopy(policy).requires_grad_(False)
     opt, schedule = adamw(policy.parameters(), cfg.optim)
     log = MetricsLogger(cfg.run_dir, "trainer", cfg.metrics, info.is_main, cfg.max_steps)
-    held_out = sample_scenes(cfg.eval.num_scenes, held_out=True, seed=cfg.seed)
+    held_out = held_out_scenes(cfg.eval)
     initial = judged = judge_and_show(policy, held_out, cfg.eval, log, 0)
     log.log(0, judged)
     order, noise = (

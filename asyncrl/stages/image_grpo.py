@@ -43,13 +43,12 @@ from asyncrl.engine.image import ImageSamplingConfig
 from asyncrl.engine.leases import SamplingConfig
 from asyncrl.image.flow import time_grid
 from asyncrl.image.model import ImagePolicy
-from asyncrl.image.scenes import sample_scenes
 from asyncrl.interfaces import FullParameters
 from asyncrl.loop.pictures import PictureBatch
 from asyncrl.metrics import MetricsConfig, MetricsLogger
 from asyncrl.models import ModelConfig
 from asyncrl.stages.common import ProcessSpec, out_of_time, stage_main, trainer_ranks
-from asyncrl.stages.image_sft import ImageEvalConfig, judge_and_show
+from asyncrl.stages.image_sft import ImageEvalConfig, held_out_scenes, judge_and_show
 from asyncrl.stages.rl import Ledger
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import adamw
@@ -82,7 +81,8 @@ class ImageGRPOExperiment:
     run_dir: str = ""
     """Run directory; empty means ``runs/NAME-TIME``."""
     seed: int = 0
-    """Seed of the prompt order, every picture's noise, the trained steps and evaluation."""
+    """Seed of the prompt order, every picture's noise and the trained steps (the held-out
+    scenes are ``eval.seed``'s)."""
     time_limit_s: float = 0.0
     """Stop after this many seconds of training (0: no limit); the run still exports."""
     model: ModelConfig = field(default_factory=lambda: ModelConfig(path="runs/models/image-sft"))
@@ -217,7 +217,7 @@ def setup(cfg: ImageGRPOExperiment, info: DistInfo) -> Parts:
         opt,
         schedule,
         MetricsLogger(cfg.run_dir, "trainer", cfg.metrics, info.is_main, cfg.rl.max_steps),
-        sample_scenes(cfg.eval.num_scenes, held_out=True, seed=cfg.seed),
+        held_out_scenes(cfg.eval),
         BufferClient(cfg.run_dir, cfg.run_id, info.rank, cfg.transport),
         BucketPublisher(cfg.site()),
         Ledger(cfg.run_dir, info.rank),
