@@ -251,6 +251,9 @@ def test_the_loop_moves_reward_servers_on_the_buffer_s_queue(tmp_path, monkeypat
     assert check["elastic/reward_queue"] == 1.5 and check["elastic/reward_busy"] == 1.0
     assert check["elastic/generators"] == 1
     assert "want 2: elastic: trainer idle 67%" in (tmp_path / "control" / "rewards.log").read_text()
+    # Without two buffer records there is no busy share: it reads as busy, never as idle.
+    loop.busy.clear()
+    assert loop._signals(1, reward_servers=2).reward_busy == 1.0
 
 
 def test_the_run_report_gives_the_time_at_each_generator_count_and_the_moves():

@@ -163,7 +163,7 @@ class ElasticLoop:
         s = signals(generators, [step for _, step in self.steps], ready)
         if not reward_servers:
             return s
-        busy = 0.0
+        busy = 1.0  # not measured yet (a buffer just started): no server is given back on it
         if len(self.busy) >= 2 and self.busy[-1][0] > self.busy[0][0]:
             (t0, b0), (t1, b1) = self.busy[0], self.busy[-1]
             busy = min(1.0, (b1 - b0) / ((t1 - t0) * reward_servers))
