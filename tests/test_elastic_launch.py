@@ -49,6 +49,25 @@ def _generated_by(run_dir: Path, process: str) -> float:
     )
 
 
+def run_then_stop(cmd: list[str], steps) -> tuple[int | None, str]:
+    """Start the launcher ``cmd``, call ``steps(lines)`` (its output so far, growing)
+    while it runs, then stop it with SIGTERM; its exit code and whole output."""
+    launcher = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=_read_into, args=(launcher.stdout, lines), daemon=True)
+    reader.start()
+    try:
+        steps(lines)
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=120)
+    finally:
+        launcher.kill()
+    reader.join(timeout=30)
+    return launcher.returncode, "".join(lines)
+
+
 def assert_drained_and_balanced(run_dir: Path, worker: str) -> None:
     """The drained generator ``worker`` made tokens and handed its leases back, and the
     buffer's books balance: nothing lost, nothing taken back for a dead holder, no token
@@ -88,14 +107,9 @@ def test_a_generator_joins_and_leaves_a_running_run_losing_nothing(tmp_path, tin
         "metrics.tensorboard=false",
         "num_generators=1",
     ]
-    launcher = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    lines: list[str] = []  # the launcher's output so far
-    reader = threading.Thread(target=_read_into, args=(launcher.stdout, lines), daemon=True)
-    reader.start()
     control = run_dir / "control" / "generators"
-    try:
+
+    def steps(lines: list[str]) -> None:
         _wait(lambda: _trained(run_dir) >= 2, 120, "a trained step")
         control.write_text("2\n")
         _wait(lambda: _generated_by(run_dir, "generator_g1") > 0, 120, "g1's first tokens")
@@ -103,13 +117,9 @@ def test_a_generator_joins_and_leaves_a_running_run_losing_nothing(tmp_path, tin
         _wait(lambda: any("generator_1 left the run" in line for line in lines), 120, "g1 to go")
         after = _trained(run_dir)
         _wait(lambda: _trained(run_dir) >= after + 5, 120, "steps after g1 left")
-        launcher.send_signal(signal.SIGTERM)
-        launcher.wait(timeout=120)
-    finally:
-        launcher.kill()
-    reader.join(timeout=30)
-    out = "".join(lines)
-    assert launcher.returncode == 130, out[-3000:]  # stopped by the test, as asked
+
+    code, out = run_then_stop(cmd, steps)
+    assert code == 130, out[-3000:]  # stopped by the test, as asked
     assert "generators: started generator_1 (wanted: 2)" in out
     assert "generators: draining generator_1 (wanted: 1)" in out
     assert "generator_1 left the run, drained" in out and "restart" not in out, out[-3000:]

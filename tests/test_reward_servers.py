@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from asyncrl.config import ConfigError, save_json
 from asyncrl.liveness import EXIT_DRAINED
 from asyncrl.metrics import read_metrics
 from asyncrl.models import ModelConfig, load_model
-from tests.test_elastic_launch import ROOT, _read_into, _trained, _wait
+from tests.test_elastic_launch import _trained, _wait, run_then_stop
 
 
 def _config(tmp_path: Path, rm_path: str, batch: int = 4, timeout_s: float = 6.0):
@@ -236,14 +235,9 @@ def test_a_reward_server_joins_and_leaves_a_running_run_losing_nothing(
         "metrics.interval_s=0.5",
         "metrics.tensorboard=false",
     ]
-    launcher = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    lines: list[str] = []
-    reader = threading.Thread(target=_read_into, args=(launcher.stdout, lines), daemon=True)
-    reader.start()
     control = run_dir / "control" / "rewards"
-    try:
+
+    def steps(lines: list[str]) -> None:
         _wait(lambda: _trained(run_dir) >= 2, 120, "a trained step")
         control.write_text("2\n")
         _wait(lambda: _servers_known(run_dir) == 2, 60, "reward_1 to ask for work")
@@ -253,13 +247,9 @@ def test_a_reward_server_joins_and_leaves_a_running_run_losing_nothing(
         _wait(lambda: any("reward_1 left the run" in line for line in lines), 120, "reward_1 to go")
         after = _trained(run_dir)
         _wait(lambda: _trained(run_dir) >= after + 5, 120, "steps after reward_1 left")
-        launcher.send_signal(signal.SIGTERM)
-        launcher.wait(timeout=120)
-    finally:
-        launcher.kill()
-    reader.join(timeout=30)
-    out = "".join(lines)
-    assert launcher.returncode == 130, out[-3000:]
+
+    code, out = run_then_stop(cmd, steps)
+    assert code == 130, out[-3000:]
     assert "rewards: draining reward_1 (wanted: 1)" in out and "restart" not in out, out[-3000:]
     scored_by_1 = (run_dir / "logs" / "reward_1.log").read_text()
     assert " sequences scored" in scored_by_1 and "r1: 0 sequences" not in scored_by_1
