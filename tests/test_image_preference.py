@@ -16,12 +16,19 @@ import torch
 
 from asyncrl.algorithms.flow_dpo import diffusion_dpo_loss, velocity_errors
 from asyncrl.algorithms.preference import DPOLossConfig, dpo_loss
+from asyncrl.config import ConfigError, apply_overrides, load_experiment
 from asyncrl.image.check import judge
 from asyncrl.image.model import ImageModelConfig, ImagePolicy, to_pixels
-from asyncrl.image.pairs import PicturePairs, make_pairs, mirrored
+from asyncrl.image.pairs import PicturePairs, make_pairs, mirrored, rejudged
 from asyncrl.image.render import draw
 from asyncrl.image.scenes import BACKGROUND, all_scenes, sample_scenes
-from asyncrl.image.scorer import ConvReader, PictureScorer, PolicyReader, ScorerConfig
+from asyncrl.image.scorer import (
+    ConvReader,
+    PictureScorer,
+    PolicyReader,
+    ScorerConfig,
+    WordReader,
+)
 from asyncrl.stages.image_rm import ranking_accuracy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,6 +82,32 @@ def test_a_mirrored_pair_is_judged_as_the_pair_and_never_becomes_a_held_out_scen
     assert moved and all(by_prompt[prompts[i]].relation for i in moved)
 
 
+def test_rejudged_pairs_are_the_same_pictures_ranked_by_the_judge_under_near_prompts():
+    pairs = drawn_pairs(48, False, 3)
+    extra = rejudged(pairs, 200, seed=0)
+    assert len(extra) == 200
+    by_prompt = {s.prompt: s for s in all_scenes()}
+    known = {p.tobytes() for p in np.concatenate([pairs.chosen, pairs.rejected])}
+    drawn_for = {p.tobytes(): q for p, q in zip(pairs.chosen, pairs.prompts)}
+    moved = 0
+    for prompt, chosen, rejected, cs, rs in zip(
+        extra.prompts, extra.chosen, extra.rejected, extra.chosen_score, extra.rejected_score
+    ):
+        scene = by_prompt[prompt]
+        assert not scene.held_out
+        assert chosen.tobytes() in known and rejected.tobytes() in known
+        assert cs > rs and judge(chosen, scene).reward == pytest.approx(cs)
+        assert judge(rejected, scene).reward == pytest.approx(rs)
+        origin = drawn_for.get(chosen.tobytes())
+        if origin is not None and origin != prompt:
+            assert sum(a != b for a, b in zip(origin.split(), prompt.split())) == 1
+            moved += 1
+    # Drawings are of their own scene, so under a scene a word away they lose a check.
+    assert moved > 20
+    joined = pairs.joined(extra)
+    assert len(joined) == len(pairs) + 200 and joined.prompts[-1] == extra.prompts[-1]
+
+
 def test_diffusion_dpo_is_dpo_on_velocity_errors_and_moves_the_chosen_one():
     torch.manual_seed(1)
     policy = ImagePolicy(SMALL)
@@ -106,16 +139,17 @@ def test_diffusion_dpo_is_dpo_on_velocity_errors_and_moves_the_chosen_one():
     assert margin.mean() > 0  # the chosen pictures' error fell against the rejected ones'
 
 
-@pytest.mark.parametrize("reader", ["conv", "policy"])
+@pytest.mark.parametrize("reader", ["conv", "words", "policy"])
 def test_the_scorer_learns_to_rank_as_the_judge_and_reloads(reader, tmp_path):
     torch.manual_seed(0)
     if reader == "policy":  # the reader is a policy's transformer, fine-tuned
         ImagePolicy(SMALL).save(tmp_path / "policy")
         cfg = ScorerConfig(backbone=str(tmp_path / "policy"), per_patch=2, hidden=32)
     else:
-        cfg = ScorerConfig(channels=8, text_dim=8, hidden=32)
+        cfg = ScorerConfig(reader=reader, channels=8, text_dim=8, hidden=32)
     scorer = PictureScorer(cfg)
-    assert isinstance(scorer.reader, PolicyReader if reader == "policy" else ConvReader)
+    kinds = {"conv": ConvReader, "words": WordReader, "policy": PolicyReader}
+    assert isinstance(scorer.reader, kinds[reader])
     train, held_out = drawn_pairs(64, False, 0), drawn_pairs(32, True, 1)
     opt = torch.optim.AdamW(scorer.parameters(), lr=3e-3)
     for _ in range(30):
@@ -146,8 +180,8 @@ def test_the_preference_stages_run_from_their_experiments(stage, tmp_path):
     cmd += [f"pairs.dir={pairs_dir}", f"pairs.policy={policy}", "batch_size=8"]
     cmd += ["max_steps=4", "trainer.threads_per_rank=1"]
     if stage == "image_rm":
-        cmd += ["eval_every=2", f"export_dir={tmp_path / 'rm'}", f"scorer.backbone={policy}"]
-        cmd += ["scorer.per_patch=2", "scorer.hidden=16"]
+        cmd += ["eval_every=2", f"export_dir={tmp_path / 'rm'}", "rejudged=40"]
+        cmd += ["scorer.channels=8", "scorer.text_dim=8", "scorer.hidden=16"]
     else:
         cmd += ["eval.every_steps=2", "eval.num_scenes=8", "eval.steps=3"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -155,8 +189,15 @@ def test_the_preference_stages_run_from_their_experiments(stage, tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4
     if stage == "image_rm":
-        assert summary["train_pairs"] == 32 and 0 <= summary["final_ranking_accuracy"] <= 1
+        assert summary["train_pairs"] == 32 + 40 and 0 <= summary["final_ranking_accuracy"] <= 1
         assert (tmp_path / "rm" / "scorer.json").exists()
     else:
         assert "eval/success_position" in summary["final_eval"]
         assert (Path(summary["export_dir"]) / "image_model.json").exists()
+
+
+def test_an_unknown_reader_is_refused_before_any_process(tmp_path):
+    cfg = load_experiment(ROOT / "experiments" / "image_rm.py")
+    cfg = apply_overrides(cfg, [f"run_dir={tmp_path}", "scorer.reader=vit"])
+    with pytest.raises(ConfigError, match="scorer.reader='vit': expected one of .'conv', 'words'."):
+        cfg.finalize()

@@ -98,7 +98,12 @@ def _component(labels: np.ndarray, seen: np.ndarray, r0: int, c0: int) -> list[t
 
 def judge(image: np.ndarray, scene: Scene) -> Verdict:
     """The checks of ``scene`` on ``image``."""
-    found = blobs(image)
+    return judge_blobs(blobs(image), scene)
+
+
+def judge_blobs(found: list[Blob], scene: Scene) -> Verdict:
+    """The checks of ``scene`` on a picture whose objects are ``found`` (``blobs``): one
+    segmentation serves every scene a picture is judged against."""
     kinds = Counter((b.colour, b.shape) for b in found)
     verdict = Verdict()
     for g in scene.groups:

@@ -8,6 +8,12 @@ share of the scene's checks it passes (``asyncrl.image.check``), and the best an
 worst make a pair when their scores differ. Pairs of training scenes train; pairs of
 held-out scenes measure.
 
+``rejudged`` gives more pairs of the same pictures: two pictures of a scene, or of a
+scene one word away from it ("two" for "three", "red" for "blue", "left" for "right"),
+judged against that scene, ranked by the judge as any pair is. The scorer then sees the
+same pictures preferred one way under one prompt and the other way under the next, which
+is what reading the words takes; held-out scenes are never the prompt.
+
 ``mirrored`` gives more pairs of the same: a pair flipped left-right with "left" and
 "right" swapped in its prompt (or top-bottom with "above" and "below") is judged as the
 pair was, so a scorer can learn that where objects lie matters only against the words.
@@ -25,10 +31,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from asyncrl.image.check import judge
+from asyncrl.image.check import blobs, judge, judge_blobs
 from asyncrl.image.model import ImagePolicy
 from asyncrl.image.sample import generate
-from asyncrl.image.scenes import Scene, held_out_prompt
+from asyncrl.image.scenes import Scene, held_out_prompt, split
 
 SWAPPED_WORDS = (
     {"left": "right", "right": "left"},  # flipped left-right
@@ -49,6 +55,16 @@ class PicturePairs:
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    def joined(self, other: PicturePairs) -> PicturePairs:
+        """These pairs, then ``other``'s."""
+        return PicturePairs(
+            self.prompts + other.prompts,
+            np.concatenate([self.chosen, other.chosen]),
+            np.concatenate([self.rejected, other.rejected]),
+            np.concatenate([self.chosen_score, other.chosen_score]),
+            np.concatenate([self.rejected_score, other.rejected_score]),
+        )
 
     def save(self, path: str | Path) -> None:
         """Write ``path`` (an ``.npz``) whole or not at all."""
@@ -118,6 +134,56 @@ def make_pairs(
         np.array(out["cs"], dtype=np.float32),
         np.array(out["rs"], dtype=np.float32),
     )
+
+
+def rejudged(pairs: PicturePairs, count: int, seed: int) -> PicturePairs:
+    """Up to ``count`` pairs of ``pairs``' pictures judged against a training scene: the
+    scene its pictures were drawn for or one a word away, two pictures drawn for either,
+    kept when the judge scores them apart. Stops after ``20 × count`` draws."""
+    scenes = {s.prompt: s for s in split(held_out=False)}
+    pictures = np.concatenate([pairs.chosen, pairs.rejected])
+    drawn_for = pairs.prompts + pairs.prompts
+    of_prompt: dict[str, list[int]] = {}
+    for i, prompt in enumerate(drawn_for):
+        of_prompt.setdefault(prompt, []).append(i)
+    found = [blobs(p) for p in pictures]
+    near = {p: _one_word_away(p, scenes) for p in of_prompt}
+    rng = np.random.default_rng(seed)
+    out: dict[str, list] = {k: [] for k in ("prompts", "chosen", "rejected", "cs", "rs")}
+    for _ in range(20 * count):
+        if len(out["prompts"]) == count:
+            break
+        origin = drawn_for[rng.integers(len(drawn_for))]
+        prompt = near[origin][rng.integers(len(near[origin]))]
+        candidates = of_prompt[origin] + of_prompt.get(prompt, []) * (prompt != origin)
+        a, b = rng.choice(candidates, size=2, replace=False)
+        sa, sb = (judge_blobs(found[i], scenes[prompt]).reward for i in (a, b))
+        if sa == sb:
+            continue
+        (better, sbetter), (worse, sworse) = sorted(((a, sa), (b, sb)), key=lambda x: -x[1])
+        out["prompts"].append(prompt)
+        out["chosen"].append(pictures[better])
+        out["rejected"].append(pictures[worse])
+        out["cs"].append(sbetter)
+        out["rs"].append(sworse)
+    empty = np.zeros((0, *pictures.shape[1:]), dtype=np.uint8)
+    return PicturePairs(
+        out["prompts"],
+        np.stack(out["chosen"]) if out["chosen"] else empty,
+        np.stack(out["rejected"]) if out["rejected"] else empty,
+        np.array(out["cs"], dtype=np.float32),
+        np.array(out["rs"], dtype=np.float32),
+    )
+
+
+def _one_word_away(prompt: str, scenes: dict[str, Scene]) -> list[str]:
+    """``prompt`` and the training scenes' prompts that differ from it in one word."""
+    words = prompt.split()
+    return [prompt] + [
+        other
+        for other in scenes
+        if len(o := other.split()) == len(words) and sum(x != y for x, y in zip(o, words)) == 1
+    ]
 
 
 def mirrored(

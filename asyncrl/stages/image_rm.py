@@ -19,8 +19,8 @@ import torch
 from asyncrl.algorithms.preference import bradley_terry_loss
 from asyncrl.config import ConfigError
 from asyncrl.image.model import to_pixels
-from asyncrl.image.pairs import PicturePairs, mirrored
-from asyncrl.image.scorer import PictureScorer, ScorerConfig
+from asyncrl.image.pairs import PicturePairs, mirrored, rejudged
+from asyncrl.image.scorer import READERS, PictureScorer, ScorerConfig
 from asyncrl.metrics import MetricsConfig, MetricsLogger
 from asyncrl.stages.common import ProcessSpec, out_of_time, stage_main, trainer_ranks
 from asyncrl.stages.image_pairs import ImagePairsConfig, load_or_make
@@ -49,6 +49,10 @@ class ImageRMExperiment:
     """Train on each batch's pairs flipped at random, their prompts' relation words swapped
     to match (``asyncrl.image.pairs.mirrored``): the judge ranks them the same, and the
     scorer sees each pair up to four ways."""
+    rejudged: int = 0
+    """Pairs added to the training pairs by judging their pictures again against their
+    scene or one a word away (``asyncrl.image.pairs.rejudged``): the same pictures ranked
+    under other prompts. 0: the judge's pairs only."""
     max_steps: int = 600
     """Optimizer steps of the stage."""
     eval_every: int = 100
@@ -79,6 +83,11 @@ class ImageRMExperiment:
             raise ConfigError(
                 f"trainer.num_ranks={self.trainer.num_ranks}: the image RM trains on one rank"
             )
+        if not self.scorer.backbone and self.scorer.reader not in READERS:
+            raise ConfigError(
+                f"scorer.reader={self.scorer.reader!r}: expected one of {sorted(READERS)}, "
+                "or a policy directory as scorer.backbone"
+            )
         if not self.run_dir:
             self.run_dir = f"runs/{self.name}-{datetime.now():%Y%m%d-%H%M%S}"
         if self.optim.total_steps <= 0:
@@ -106,6 +115,8 @@ def run(cfg: ImageRMExperiment, info: DistInfo) -> dict:
         load_or_make(cfg.pairs, held_out=False),
         load_or_make(cfg.pairs, held_out=True),
     )
+    if cfg.rejudged:
+        train = train.joined(rejudged(train, cfg.rejudged, cfg.seed))
     scorer = PictureScorer(cfg.scorer)
     o = cfg.optim
     # A backbone fine-tunes at lr; what starts new (the head, the narrowing) at head_lr.
