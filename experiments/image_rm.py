@@ -23,8 +23,7 @@ from asyncrl.trainer.config import OptimConfig
 config = ImageRMExperiment(
     name="image_rm",
     scorer=ScorerConfig(reader="words", channels=32, text_dim=32, hidden=256),
-    pairs=ImagePairsConfig(train_prompts=2048, held_out_prompts=256, per_prompt=4),
-    rejudged=20_000,
+    pairs=ImagePairsConfig(train_prompts=2048, held_out_prompts=256, per_prompt=4, rejudged=20_000),
     batch_size=64,
     max_steps=3000,
     eval_every=250,

@@ -180,7 +180,7 @@ def test_the_preference_stages_run_from_their_experiments(stage, tmp_path):
     cmd += [f"pairs.dir={pairs_dir}", f"pairs.policy={policy}", "batch_size=8"]
     cmd += ["max_steps=4", "trainer.threads_per_rank=1"]
     if stage == "image_rm":
-        cmd += ["eval_every=2", f"export_dir={tmp_path / 'rm'}", "rejudged=40"]
+        cmd += ["eval_every=2", f"export_dir={tmp_path / 'rm'}", "pairs.rejudged=40"]
         cmd += ["scorer.channels=8", "scorer.text_dim=8", "scorer.hidden=16"]
     else:
         cmd += ["eval.every_steps=2", "eval.num_scenes=8", "eval.steps=3"]

@@ -126,14 +126,7 @@ def make_pairs(
             out["rejected"].append(group[worst])
             out["cs"].append(scores[best])
             out["rs"].append(scores[worst])
-    empty = np.zeros((0, *pictures.shape[1:]), dtype=np.uint8)
-    return PicturePairs(
-        out["prompts"],
-        np.stack(out["chosen"]) if out["chosen"] else empty,
-        np.stack(out["rejected"]) if out["rejected"] else empty,
-        np.array(out["cs"], dtype=np.float32),
-        np.array(out["rs"], dtype=np.float32),
-    )
+    return _collected(out, pictures.shape[1:])
 
 
 def rejudged(pairs: PicturePairs, count: int, seed: int) -> PicturePairs:
@@ -166,7 +159,12 @@ def rejudged(pairs: PicturePairs, count: int, seed: int) -> PicturePairs:
         out["rejected"].append(pictures[worse])
         out["cs"].append(sbetter)
         out["rs"].append(sworse)
-    empty = np.zeros((0, *pictures.shape[1:]), dtype=np.uint8)
+    return _collected(out, pictures.shape[1:])
+
+
+def _collected(out: dict[str, list], picture_shape: tuple[int, ...]) -> PicturePairs:
+    """The pairs gathered in ``out`` (prompts, chosen, rejected, their scores ``cs``, ``rs``)."""
+    empty = np.zeros((0, *picture_shape), dtype=np.uint8)
     return PicturePairs(
         out["prompts"],
         np.stack(out["chosen"]) if out["chosen"] else empty,

@@ -24,7 +24,7 @@ from asyncrl.image.model import ImagePolicy, to_pixels
 from asyncrl.image.pairs import PicturePairs
 from asyncrl.metrics import MetricsConfig, MetricsLogger
 from asyncrl.stages.common import ProcessSpec, out_of_time, stage_main, trainer_ranks
-from asyncrl.stages.image_pairs import ImagePairsConfig, load_or_make
+from asyncrl.stages.image_pairs import ImagePairsConfig, training_pairs
 from asyncrl.stages.image_sft import ImageEvalConfig, held_out_scenes, judge_and_show
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import adamw
@@ -100,7 +100,7 @@ def dpo_step(policy, reference, opt, pairs: PicturePairs, pick: list[int], cfg, 
 
 def run(cfg: ImageDPOExperiment, info: DistInfo) -> dict:
     torch.manual_seed(cfg.seed)
-    pairs = load_or_make(cfg.pairs, held_out=False)
+    pairs = training_pairs(cfg.pairs, cfg.seed)
     policy = ImagePolicy.load(cfg.pairs.policy)
     reference = copy.deepcopy(policy).requires_grad_(False)
     opt, schedule = adamw(policy.parameters(), cfg.optim)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from asyncrl.image.model import ImagePolicy
-from asyncrl.image.pairs import PicturePairs, make_pairs
+from asyncrl.image.pairs import PicturePairs, make_pairs, rejudged
 from asyncrl.image.scenes import sample_scenes
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,16 @@ class ImagePairsConfig:
     """SD3's time shift of those steps."""
     seed: int = 0
     """Seed of the scenes drawn and of every picture's noise."""
+    rejudged: int = 0
+    """Training pairs added by judging the kept pictures again against their scene or one a
+    word away (``asyncrl.image.pairs.rejudged``), drawn afresh by each run from its seed;
+    0: the judge's pairs only. Held-out pairs are never added to."""
+
+
+def training_pairs(cfg: ImagePairsConfig, seed: int) -> PicturePairs:
+    """The training scenes' pairs, with ``cfg.rejudged`` more drawn from ``seed``."""
+    pairs = load_or_make(cfg, held_out=False)
+    return pairs.joined(rejudged(pairs, cfg.rejudged, seed)) if cfg.rejudged else pairs
 
 
 def load_or_make(cfg: ImagePairsConfig, held_out: bool) -> PicturePairs:

@@ -19,11 +19,11 @@ import torch
 from asyncrl.algorithms.preference import bradley_terry_loss
 from asyncrl.config import ConfigError
 from asyncrl.image.model import to_pixels
-from asyncrl.image.pairs import PicturePairs, mirrored, rejudged
+from asyncrl.image.pairs import PicturePairs, mirrored
 from asyncrl.image.scorer import READERS, PictureScorer, ScorerConfig
 from asyncrl.metrics import MetricsConfig, MetricsLogger
 from asyncrl.stages.common import ProcessSpec, out_of_time, stage_main, trainer_ranks
-from asyncrl.stages.image_pairs import ImagePairsConfig, load_or_make
+from asyncrl.stages.image_pairs import ImagePairsConfig, load_or_make, training_pairs
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import adamw, param_groups
 from asyncrl.trainer.dist import DistInfo
@@ -49,10 +49,6 @@ class ImageRMExperiment:
     """Train on each batch's pairs flipped at random, their prompts' relation words swapped
     to match (``asyncrl.image.pairs.mirrored``): the judge ranks them the same, and the
     scorer sees each pair up to four ways."""
-    rejudged: int = 0
-    """Pairs added to the training pairs by judging their pictures again against their
-    scene or one a word away (``asyncrl.image.pairs.rejudged``): the same pictures ranked
-    under other prompts. 0: the judge's pairs only."""
     max_steps: int = 600
     """Optimizer steps of the stage."""
     eval_every: int = 100
@@ -111,12 +107,8 @@ def ranking_accuracy(scorer: PictureScorer, pairs: PicturePairs, batch: int = 25
 
 def run(cfg: ImageRMExperiment, info: DistInfo) -> dict:
     torch.manual_seed(cfg.seed)
-    train, held_out = (
-        load_or_make(cfg.pairs, held_out=False),
-        load_or_make(cfg.pairs, held_out=True),
-    )
-    if cfg.rejudged:
-        train = train.joined(rejudged(train, cfg.rejudged, cfg.seed))
+    train = training_pairs(cfg.pairs, cfg.seed)
+    held_out = load_or_make(cfg.pairs, held_out=True)
     scorer = PictureScorer(cfg.scorer)
     o = cfg.optim
     # A backbone fine-tunes at lr; what starts new (the head, the narrowing) at head_lr.
