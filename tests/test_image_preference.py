@@ -201,3 +201,26 @@ def test_an_unknown_reader_is_refused_before_any_process(tmp_path):
     cfg = apply_overrides(cfg, [f"run_dir={tmp_path}", "scorer.reader=vit"])
     with pytest.raises(ConfigError, match="scorer.reader='vit': expected one of .'conv', 'words'."):
         cfg.finalize()
+
+
+def test_a_stage_whose_loss_turns_non_finite_stops_naming_the_step(tmp_path):
+    """At a learning rate of 1e30 the first update makes every score inf, so the loss is
+    NaN from step 2: the stage skips two such steps, stops at the second naming it, and
+    exports nothing."""
+    policy = tmp_path / "policy"
+    ImagePolicy(SMALL).save(policy)
+    pairs_dir = tmp_path / "pairs"
+    drawn_pairs(16, False, 0).save(pairs_dir / "train.npz")
+    drawn_pairs(8, True, 1).save(pairs_dir / "held_out.npz")
+    cmd = [sys.executable, "launch/local.py", "experiments/image_rm.py"]
+    cmd += [f"run_dir={tmp_path / 'run'}", f"pairs.dir={pairs_dir}", f"pairs.policy={policy}"]
+    cmd += ["pairs.rejudged=0", "batch_size=8", "max_steps=10", "eval_every=100"]
+    cmd += ["scorer.channels=8", "scorer.text_dim=8", "scorer.hidden=16", "optim.lr=1e30"]
+    cmd += ["optim.warmup_steps=0", "trainer.max_nonfinite_steps=2", "trainer.threads_per_rank=1"]
+    cmd += [f"export_dir={tmp_path / 'rm'}"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert "2 consecutive steps had a non-finite loss or gradient (the last at step 3)" in (
+        out.stdout + out.stderr
+    )
+    assert not (tmp_path / "rm").exists()

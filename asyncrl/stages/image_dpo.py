@@ -27,7 +27,7 @@ from asyncrl.stages.common import ProcessSpec, out_of_time, stage_main, trainer_
 from asyncrl.stages.image_pairs import ImagePairsConfig, training_pairs
 from asyncrl.stages.image_sft import ImageEvalConfig, held_out_scenes, judge_and_show
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
-from asyncrl.trainer.core import adamw
+from asyncrl.trainer.core import FiniteSteps, adamw
 from asyncrl.trainer.dist import DistInfo
 
 
@@ -83,17 +83,17 @@ class ImageDPOExperiment:
             self.optim.total_steps = self.max_steps
 
 
-def dpo_step(policy, reference, opt, pairs: PicturePairs, pick: list[int], cfg, noise) -> dict:
-    """One optimizer step on the pairs ``pick``; returns its metrics."""
+def dpo_gradients(policy, reference, pairs: PicturePairs, pick: list[int], cfg, noise) -> dict:
+    """The gradients of one optimizer step on the pairs ``pick``, clipped; returns its
+    metrics (the loss and the gradient norm among them)."""
     prompts = [pairs.prompts[i] for i in pick]
     chosen, rejected = to_pixels(pairs.chosen[pick]), to_pixels(pairs.rejected[pick])
     loss_sum, metrics = diffusion_dpo_loss(
         policy, reference, chosen, rejected, prompts, cfg.loss, noise
     )
-    opt.zero_grad(set_to_none=True)
+    policy.zero_grad(set_to_none=True)
     (loss_sum / len(pick)).backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.optim.max_grad_norm)
-    opt.step()
     out = {k: v.item() / len(pick) for k, v in metrics.items()}
     return out | {"train/loss": loss_sum.item() / len(pick), "train/grad_norm": grad_norm.item()}
 
@@ -104,6 +104,7 @@ def run(cfg: ImageDPOExperiment, info: DistInfo) -> dict:
     policy = ImagePolicy.load(cfg.pairs.policy)
     reference = copy.deepcopy(policy).requires_grad_(False)
     opt, schedule = adamw(policy.parameters(), cfg.optim)
+    guard = FiniteSteps(cfg.trainer.max_nonfinite_steps)
     log = MetricsLogger(cfg.run_dir, "trainer", cfg.metrics, info.is_main, cfg.max_steps)
     held_out = held_out_scenes(cfg.eval)
     initial = judged = judge_and_show(policy, held_out, cfg.eval, log, 0)
@@ -115,9 +116,9 @@ def run(cfg: ImageDPOExperiment, info: DistInfo) -> dict:
     start, step, stop = time.time(), 0, False
     while step < cfg.max_steps and not stop:
         pick = torch.randint(len(pairs), (cfg.batch_size,), generator=order).tolist()
-        scalars = dpo_step(policy, reference, opt, pairs, pick, cfg, noise)
-        schedule.step()
+        scalars = dpo_gradients(policy, reference, pairs, pick, cfg, noise)
         step += 1
+        guard.step(opt, schedule, scalars["train/loss"], scalars["train/grad_norm"], step)
         stop = out_of_time(start, cfg.time_limit_s, info)
         if step % cfg.eval.every_steps == 0 or step == cfg.max_steps or stop:
             judged = judge_and_show(policy, held_out, cfg.eval, log, step)

@@ -51,7 +51,7 @@ from asyncrl.stages.common import ProcessSpec, out_of_time, stage_main, trainer_
 from asyncrl.stages.image_sft import ImageEvalConfig, held_out_scenes, judge_and_show
 from asyncrl.stages.rl import Ledger
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
-from asyncrl.trainer.core import adamw
+from asyncrl.trainer.core import FiniteSteps, adamw
 from asyncrl.trainer.dist import DistInfo
 from asyncrl.transport import RunSite, TransportConfig
 from asyncrl.weights.sender import BucketPublisher
@@ -197,6 +197,7 @@ class Parts:
     """A frozen copy of the starting policy, when the loss has a KL term."""
     opt: torch.optim.Optimizer
     schedule: torch.optim.lr_scheduler.LambdaLR
+    guard: FiniteSteps
     log: MetricsLogger
     held_out: list
     """The held-out scenes judged at every evaluation."""
@@ -216,6 +217,7 @@ def setup(cfg: ImageGRPOExperiment, info: DistInfo) -> Parts:
         reference,
         opt,
         schedule,
+        FiniteSteps(cfg.trainer.max_nonfinite_steps),
         MetricsLogger(cfg.run_dir, "trainer", cfg.metrics, info.is_main, cfg.rl.max_steps),
         held_out_scenes(cfg.eval),
         BufferClient(cfg.run_dir, cfg.run_id, info.rank, cfg.transport),
@@ -245,8 +247,8 @@ def run(cfg: ImageGRPOExperiment, info: DistInfo) -> dict:
         waited = time.perf_counter() - waited
         # 2-4. the update on a draw of each picture's steps
         pictures = PictureBatch.of(batch.samples, cfg.image.steps)
-        scalars = update(r.policy, r.reference, r.opt, pictures, cfg, grid, picks)
-        r.schedule.step()
+        scalars = gradients(r.policy, r.reference, pictures, cfg, grid, picks)
+        r.guard.step(r.opt, r.schedule, scalars["train/loss"], scalars["train/grad_norm"], step + 1)
         # 5. version step + 1 to the generators and the buffer
         sync_s = r.publisher.publish(step + 1, snapshot(r.policy))
         r.source.announce_version(step + 1)
@@ -302,16 +304,16 @@ def finish(r: Parts, cfg: ImageGRPOExperiment, steps: int, seconds: float, evals
     return summary
 
 
-def update(
+def gradients(
     policy: ImagePolicy,
     reference: ImagePolicy | None,
-    opt: torch.optim.Optimizer,
     pictures: PictureBatch,
     cfg: ImageGRPOExperiment,
     grid: list[float],
     picks: torch.Generator,
 ) -> dict[str, float]:
-    """One Flow-GRPO update on ``pictures``; returns its metrics."""
+    """The gradients of one Flow-GRPO update on ``pictures``, clipped; returns its metrics
+    (the loss and the gradient norm among them)."""
     n, a = len(pictures.prompts), cfg.image.noise_level
     steps = train_steps(cfg.image.stochastic_steps, cfg.rl.train_steps, picks, n)  # [N, S]
     behavior = pictures.behavior.gather(1, steps)
@@ -328,11 +330,9 @@ def update(
         logprobs, logprobs.detach(), behavior, advantages, cfg.rl.loss, kl
     )
     count = steps.numel()
-    opt.zero_grad(set_to_none=True)
+    policy.zero_grad(set_to_none=True)
     (loss_sum / count).backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.optim.max_grad_norm)
-    if torch.isfinite(grad_norm):
-        opt.step()
     out = {k: v.item() / count for k, v in metrics.items()}
     return out | {"train/loss": loss_sum.item() / count, "train/grad_norm": grad_norm.item()}
 

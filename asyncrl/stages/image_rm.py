@@ -25,7 +25,7 @@ from asyncrl.metrics import MetricsConfig, MetricsLogger
 from asyncrl.stages.common import ProcessSpec, out_of_time, stage_main, trainer_ranks
 from asyncrl.stages.image_pairs import ImagePairsConfig, load_or_make, training_pairs
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
-from asyncrl.trainer.core import adamw, param_groups
+from asyncrl.trainer.core import FiniteSteps, adamw, param_groups
 from asyncrl.trainer.dist import DistInfo
 
 
@@ -114,6 +114,7 @@ def run(cfg: ImageRMExperiment, info: DistInfo) -> dict:
     # A backbone fine-tunes at lr; what starts new (the head, the narrowing) at head_lr.
     groups = param_groups(scorer, o, is_head=lambda name: not name.startswith("reader.policy."))
     opt, schedule = adamw(groups, o)
+    guard = FiniteSteps(cfg.trainer.max_nonfinite_steps)
     log = MetricsLogger(cfg.run_dir, "trainer", cfg.metrics, info.is_main, cfg.max_steps)
     log.log(0, {"eval/ranking_accuracy": (initial := ranking_accuracy(scorer, held_out))})
     order = torch.Generator().manual_seed(cfg.seed)
@@ -129,10 +130,9 @@ def run(cfg: ImageRMExperiment, info: DistInfo) -> dict:
         loss_sum, metrics = bradley_terry_loss(chosen, rejected)
         opt.zero_grad(set_to_none=True)
         (loss_sum / len(pick)).backward()
-        torch.nn.utils.clip_grad_norm_(scorer.parameters(), o.max_grad_norm)
-        opt.step()
-        schedule.step()
-        scalars = {"train/loss": loss_sum.item() / len(pick)}
+        grad_norm = torch.nn.utils.clip_grad_norm_(scorer.parameters(), o.max_grad_norm).item()
+        scalars = {"train/loss": loss_sum.item() / len(pick), "train/grad_norm": grad_norm}
+        guard.step(opt, schedule, scalars["train/loss"], grad_norm, step)
         scalars |= {k: v.item() / len(pick) for k, v in metrics.items()}
         last = step == cfg.max_steps or out_of_time(start, cfg.time_limit_s, info)
         if step % cfg.eval_every == 0 or last:

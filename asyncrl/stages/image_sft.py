@@ -31,7 +31,7 @@ from asyncrl.image.scenes import Scene, sample_scenes
 from asyncrl.metrics import MetricsConfig, MetricsLogger
 from asyncrl.stages.common import ProcessSpec, out_of_time, stage_main, trainer_ranks
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
-from asyncrl.trainer.core import adamw
+from asyncrl.trainer.core import FiniteSteps, adamw
 from asyncrl.trainer.dist import DistInfo
 
 
@@ -123,6 +123,7 @@ def run(cfg: ImageSFTExperiment, info: DistInfo) -> dict:
     policy = ImagePolicy.load(cfg.sft.init_path) if cfg.sft.init_path else ImagePolicy(cfg.model)
     o = cfg.optim
     opt, schedule = adamw(policy.parameters(), o)
+    guard = FiniteSteps(cfg.trainer.max_nonfinite_steps)
     log = MetricsLogger(cfg.run_dir, "trainer", cfg.metrics, info.is_main, cfg.sft.max_steps)
     held_out = held_out_scenes(cfg.eval)
     judged = judge_and_show(policy, held_out, cfg.eval, log, 0)
@@ -135,8 +136,7 @@ def run(cfg: ImageSFTExperiment, info: DistInfo) -> dict:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), o.max_grad_norm)
-        opt.step()
-        schedule.step()
+        guard.step(opt, schedule, loss.item(), grad_norm.item(), step + 1)
         step += 1
         stop = out_of_time(start, cfg.time_limit_s, info)
         scalars = {"train/loss": loss.item(), "train/grad_norm": grad_norm.item()}

@@ -57,6 +57,46 @@ class NonFiniteError(RuntimeError):
     """Too many consecutive steps with a NaN or infinite loss or gradient."""
 
 
+class FiniteSteps:
+    """The guard against NaN/inf: a step whose loss or gradient norm is not finite is to be
+    skipped (its gradients dropped), and the ``limit``-th such step in a row stops the run
+    with ``NonFiniteError``. ``TrainerCore`` holds one; stages that drive their own
+    optimizer (the image stages) hold their own."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_a_row = 0
+
+    def finite(self, loss: float, grad_norm: float, step: int | None = None) -> bool:
+        """Whether the step may update the weights; raises at the limit. ``step`` names
+        the stage's step in the error."""
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            self.in_a_row = 0
+            return True
+        self.in_a_row += 1
+        if self.in_a_row >= self.limit:
+            at = "" if step is None else f" (the last at step {step})"
+            raise NonFiniteError(
+                f"{self.in_a_row} consecutive steps had a non-finite loss or gradient{at} "
+                f"(last: loss={loss}, grad_norm={grad_norm}); stopping. Each was skipped "
+                "without touching the weights. Lower optim.lr (or lengthen "
+                "optim.warmup_steps), check rewards, advantages and data for NaN/inf, "
+                "or resume from the last checkpoint; trainer.max_nonfinite_steps sets "
+                "how many in a row are tolerated."
+            )
+        return False
+
+    def step(self, opt, schedule, loss: float, grad_norm: float, step: int) -> bool:
+        """For a stage that drives its own optimizer: ``opt`` and ``schedule`` step when
+        ``finite``, else the gradients are dropped; whether they stepped."""
+        if self.finite(loss, grad_norm, step):
+            opt.step()
+            schedule.step()
+            return True
+        opt.zero_grad(set_to_none=True)
+        return False
+
+
 def lr_lambda(cfg: OptimConfig) -> Callable[[int], float]:
     """Linear warmup to 1, then cosine (or constant) down to ``min_lr_ratio``."""
 
@@ -197,7 +237,7 @@ class TrainerCore:
         # The stage's step (in RL, the policy version): its loop advances it, a checkpoint
         # saves it; train_step leaves it alone.
         self.step = 0
-        self.nonfinite_in_a_row = 0
+        self.nonfinite = FiniteSteps(trainer_cfg.max_nonfinite_steps)
         # The stage's veto on an update, asked before each optimizer step with the step's
         # loss, gradient norm and metrics (as in StepStats); False refuses the update as a
         # non-finite one is refused, without counting as one (the RL guard's skip).
@@ -302,31 +342,23 @@ class TrainerCore:
                 outputs.append(output[0])
         return loss_total, metric_sums, outputs
 
+    @property
+    def nonfinite_in_a_row(self) -> int:
+        return self.nonfinite.in_a_row
+
     def _step_if_finite(self, loss: float, grad_norm: float, metrics: dict[str, float]) -> bool:
         """The optimizer and scheduler step when loss and gradient norm are finite and
-        ``step_check`` (if any) accepts; else drop the gradients, and raise
-        ``NonFiniteError`` after too many non-finite ones in a row."""
-        if math.isfinite(loss) and math.isfinite(grad_norm):
-            self.nonfinite_in_a_row = 0
-            if self.step_check is not None and not self.step_check(loss, grad_norm, metrics):
-                self.optimizer.zero_grad(set_to_none=True)
-                return False
-            self.readout.wait()  # a publish still reading the weights
-            self.optimizer.step()
-            self.scheduler.step()
-            return True
-        self.optimizer.zero_grad(set_to_none=True)
-        self.nonfinite_in_a_row += 1
-        if self.nonfinite_in_a_row >= self.cfg.max_nonfinite_steps:
-            raise NonFiniteError(
-                f"{self.nonfinite_in_a_row} consecutive steps had a non-finite loss or "
-                f"gradient (last: loss={loss}, grad_norm={grad_norm}); stopping. Each "
-                "was skipped without touching the weights. Lower optim.lr (or lengthen "
-                "optim.warmup_steps), check rewards, advantages and data for NaN/inf, "
-                "or resume from the last checkpoint; trainer.max_nonfinite_steps sets "
-                "how many in a row are tolerated."
-            )
-        return False
+        ``step_check`` (if any) accepts; else drop the gradients (``FiniteSteps`` raises
+        after too many non-finite ones in a row)."""
+        if not self.nonfinite.finite(loss, grad_norm, self.step) or (
+            self.step_check is not None and not self.step_check(loss, grad_norm, metrics)
+        ):
+            self.optimizer.zero_grad(set_to_none=True)
+            return False
+        self.readout.wait()  # a publish still reading the weights
+        self.optimizer.step()
+        self.scheduler.step()
+        return True
 
     def _clip(self) -> float:
         max_norm = self.optim_cfg.max_grad_norm or float("inf")
