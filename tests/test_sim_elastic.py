@@ -70,6 +70,11 @@ def test_the_study_compares_the_controller_with_every_fixed_split():
     assert result["elastic_gain_over_best_fixed"] == pytest.approx(
         best / result["elastic"]["time_s"] - 1, abs=0.01
     )
+    some = study(SMALL, GpuSpec(), (4, 8), PHASES, COSTS, CONTROL, compared=(2, 3))
+    assert set(some["fixed"]) == {"2", "3"} and some["fixed"]["2"] == result["fixed"]["2"]
+    assert some["elastic"] == result["elastic"]  # the controller's run is the same
+    with pytest.raises(ValueError, match=r"splits \[4\] are not possible here: \[1, 2, 3\]"):
+        study(SMALL, GpuSpec(), (4, 8), PHASES, COSTS, CONTROL, compared=(3, 4))
 
 
 def test_cli_elastic_ends_with_one_json_line():
@@ -78,6 +83,7 @@ def test_cli_elastic_ends_with_one_json_line():
             *[sys.executable, "tools/simulate.py", "elastic", "--gpus", "32", "--slot-gpus", "8"],
             *["--steps", "20", "--batch", "32", "--samples", "4", "--response-mean", "128"],
             *["--response-max", "1024", "--dwell-s", "60", "--window-s", "30"],
+            *["--splits", "1-2"],
         ],
         cwd=ROOT,
         capture_output=True,
@@ -86,5 +92,5 @@ def test_cli_elastic_ends_with_one_json_line():
     )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["command"] == "elastic" and set(result["fixed"]) == {"1", "2", "3"}
+    assert result["command"] == "elastic" and set(result["fixed"]) == {"1", "2"}
     assert result["phases"]["steps"] == 20 and "assumptions" in result["note"]

@@ -59,6 +59,12 @@ def add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--dwell-s", type=float, default=900.0)
     e.add_argument("--window-s", type=float, default=300.0)
     e.add_argument("--max-step", type=int, default=8, help="most slots one move adds")
+    e.add_argument(
+        "--splits",
+        type=splits_arg,
+        default=(),
+        help="fixed splits to compare (generating slots, e.g. 10-13 or 8,12); default: all",
+    )
 
 
 def run_cluster_command(args: argparse.Namespace) -> dict[str, Any]:
@@ -75,7 +81,7 @@ def run_elastic(args: argparse.Namespace) -> dict[str, Any]:
     control = ElasticConfig(dwell_s=args.dwell_s, window_s=args.window_s, max_step=args.max_step)
     w, gpu = workload_from_args(args), gpu_from_args(args.gpu)
     slots = (args.gpus // args.slot_gpus, args.slot_gpus)
-    result = study(w, gpu, slots, phases, costs, control, args.eta, args.seed)
+    result = study(w, gpu, slots, phases, costs, control, args.eta, args.seed, args.splits)
     print(f"{'generating slots':>16} {'time s':>9} {'trained tok/s':>14}")
     for g, r in result["fixed"].items():
         print(f"{g:>16} {r['time_s']:>9} {r['trained_tokens_per_s']:>14}")
@@ -93,6 +99,19 @@ def run_elastic(args: argparse.Namespace) -> dict[str, Any]:
         "workload": dataclasses.asdict(w),
         "note": "GPU figures and move costs are assumptions (asyncrl/sim), not measurements",
     }
+
+
+def splits_arg(text: str) -> tuple[int, ...]:
+    """``--splits``: "A-B" (inclusive) or "A,B,C"."""
+    try:
+        if "-" in text:
+            low, high = (int(x) for x in text.split("-", 1))
+            return tuple(range(low, high + 1))
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected A-B or A,B,C (whole numbers)"
+        ) from None
 
 
 def gpu_from_args(overrides: list[str]) -> GpuSpec:

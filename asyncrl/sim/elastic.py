@@ -33,6 +33,7 @@ import dataclasses
 import math
 import random
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -284,18 +285,22 @@ def study(
     elastic: ElasticConfig,
     max_staleness: int | None = 4,
     seed: int = 0,
+    compared: Sequence[int] = (),
 ) -> dict[str, Any]:
-    """Every fixed split the trainer's memory allows, and the elastic placement started
-    from an even split (it is not told which split is best): time to finish the run and
-    trained tokens/s of each."""
+    """Every fixed split the trainer's memory allows (or those of them in ``compared``:
+    a long run's study can skip the splits far from the best), and the elastic placement
+    started from an even split (it is not told which split is best): time to finish the
+    run and trained tokens/s of each."""
     count, slot_gpus = slots
     fewest_training = math.ceil(min_trainer_gpus(w, gpu) / slot_gpus)
     splits = range(1, count - fewest_training + 1)
+    if impossible := sorted(set(compared) - set(splits)):
+        raise ValueError(f"splits {impossible} are not possible here: {list(splits)} are")
     elastic = dataclasses.replace(elastic, min_generators=1, max_generators=splits[-1])
     args = (w, gpu, slots)
     fixed = {
         g: ElasticSimulation(*args, g, phases, costs, None, max_staleness, seed).run_to_end()
-        for g in splits
+        for g in compared or splits
     }
     start = min(splits[-1], max(1, count // 2))
     control = Controller(elastic)
