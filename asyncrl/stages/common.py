@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import random
 import sys
@@ -75,6 +76,10 @@ def stage_main(run: Callable[[Any, DistInfo], Any], argv: list[str] | None = Non
     parser = argparse.ArgumentParser(description="Run one trainer rank of a stage.")
     parser.add_argument("--config", required=True, help="resolved config JSON in the run directory")
     args = parser.parse_args(argv)
+    # The stage's own notes (pairs being made, weights sent) go to its log; libraries' stay
+    # at warnings.
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("asyncrl").setLevel(logging.INFO)
     cfg = load_json(args.config)
     torch.set_num_threads(threads_for(cfg.trainer.threads_per_rank, cfg.trainer.num_ranks))
     set_malloc_mmap_threshold(cfg.trainer.malloc_mmap_threshold)

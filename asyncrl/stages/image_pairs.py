@@ -56,6 +56,12 @@ def load_or_make(cfg: ImagePairsConfig, held_out: bool) -> PicturePairs:
     start = time.time()
     policy = ImagePolicy.load(cfg.policy)
     n = cfg.held_out_prompts if held_out else cfg.train_prompts
+    log.info(
+        "no %s: drawing %d pictures from %s to pair (minutes on a CPU; kept for later runs)",
+        path,
+        n * cfg.per_prompt,
+        cfg.policy,
+    )
     scenes = sample_scenes(n, held_out=held_out, seed=cfg.seed + int(held_out))
     seed = cfg.seed * 1_000_003 + (10**7 if held_out else 0)
     pairs = make_pairs(policy, scenes, cfg.per_prompt, cfg.steps, cfg.shift, seed)
