@@ -14,7 +14,9 @@ trainer rank, this module. Each step of the trainer:
 3. recomputes their log-probabilities under its weights (``step_distributions``; these are
    also the proximal policy's: one update per batch);
 4. takes the decoupled clipped loss per step with group-relative advantages
-   (``flow_grpo_loss``), optionally a KL to the starting policy, and one optimizer step;
+   (``flow_grpo_loss``), optionally a KL to the starting policy, and one optimizer step
+   (skipped if its loss or gradient is not finite; ``trainer.max_nonfinite_steps`` such
+   steps in a row stop the run);
 5. publishes version v + 1 as buckets and announces it to the buffer;
 6. logs, and every ``eval.every_steps`` judges held-out scenes (ODE pictures, PNG grid).
 
