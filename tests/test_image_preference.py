@@ -28,7 +28,6 @@ from asyncrl.image.scorer import (
     PolicyReader,
     ScorerConfig,
     WordReader,
-    peak_counts,
 )
 from asyncrl.stages.image_rm import ranking_accuracy
 
@@ -140,18 +139,16 @@ def test_diffusion_dpo_is_dpo_on_velocity_errors_and_moves_the_chosen_one():
     assert margin.mean() > 0  # the chosen pictures' error fell against the rejected ones'
 
 
-@pytest.mark.parametrize("reader", ["conv", "words", "words+peaks", "policy"])
+@pytest.mark.parametrize("reader", ["conv", "words", "policy"])
 def test_the_scorer_learns_to_rank_as_the_judge_and_reloads(reader, tmp_path):
     torch.manual_seed(0)
     if reader == "policy":  # the reader is a policy's transformer, fine-tuned
         ImagePolicy(SMALL).save(tmp_path / "policy")
         cfg = ScorerConfig(backbone=str(tmp_path / "policy"), per_patch=2, hidden=32)
     else:
-        name, _, peaks = reader.partition("+")
-        cfg = ScorerConfig(reader=name, peaks=bool(peaks), channels=8, text_dim=8, hidden=32)
+        cfg = ScorerConfig(reader=reader, channels=8, text_dim=8, hidden=32)
     scorer = PictureScorer(cfg)
-    kinds = {"conv": ConvReader, "words": WordReader, "words+peaks": WordReader}
-    kinds["policy"] = PolicyReader
+    kinds = {"conv": ConvReader, "words": WordReader, "policy": PolicyReader}
     assert isinstance(scorer.reader, kinds[reader])
     train, held_out = drawn_pairs(64, False, 0), drawn_pairs(32, True, 1)
     opt = torch.optim.AdamW(scorer.parameters(), lr=3e-3)
@@ -169,26 +166,6 @@ def test_the_scorer_learns_to_rank_as_the_judge_and_reloads(reader, tmp_path):
     torch.testing.assert_close(
         again.score(x, held_out.prompts[:4]), scorer.score(x, held_out.prompts[:4])
     )
-
-
-def test_peaks_are_counted_once_each_by_how_well_they_match():
-    maps = torch.full((2, 16, 16), -30.0)  # sigmoid(-30) is 1e-13: the background counts 0
-    maps[0, 3, 3] = maps[0, 3, 12] = maps[0, 12, 7] = 10.0  # three objects
-    maps[1, 5, 5], maps[1, 5, 6] = 10.0, 9.0  # one object two places wide
-    maps[1, 9, 9] = 0.0  # and a place that half matches: half a peak
-    near, far = peak_counts(maps)
-    torch.testing.assert_close(near.squeeze(1), torch.tensor([3.0, 1.5]), atol=1e-3, rtol=0)
-    torch.testing.assert_close(far, near)
-    maps[1, 7, 5] = 10.0  # a second object two places below the first
-    near, far = peak_counts(maps)
-    assert near[1].item() == pytest.approx(2.5, abs=1e-3)  # a peak among its neighbours
-    assert far[1].item() == pytest.approx(2.5, abs=1e-3)  # and within 2: ties both count
-    maps[1, 7, 5] = 8.0  # lower than the first
-    near, far = peak_counts(maps)
-    assert (near[1].item(), far[1].item()) == pytest.approx((2.5, 1.5), abs=1e-3)
-    maps.requires_grad_(True)
-    peak_counts(maps)[0].sum().backward()
-    assert maps.grad[0, 3, 3] > 0 and maps.grad[0, 3, 4] == 0  # heights of peaks only
 
 
 @pytest.mark.parametrize("stage", ["image_rm", "image_dpo"])

@@ -55,10 +55,6 @@ class ScorerConfig:
     """``PolicyReader``: features kept of each patch token."""
     hidden: int = 256
     """Width of the MLP that gives the score."""
-    peaks: bool = False
-    """``WordReader``: also count each word's peaks (places that match more than any
-    neighbour, weighted by how well they match): how many separate objects a word finds,
-    which the judge's count and "nothing else" checks turn on."""
 
 
 class ConvReader(nn.Module):
@@ -121,8 +117,7 @@ class WordReader(nn.Module):
         grid = torch.linspace(-1, 1, SIZE // 2)
         places = torch.stack(torch.meshgrid(grid, grid, indexing="ij"), dim=-1)
         self.register_buffer("place_xy", places.reshape(-1, 2))  # [P, 2] (row, column)
-        self.peaks = cfg.peaks
-        self.width = self.prompt_encoder.cfg.max_words * (7 + 16 + 2 * cfg.peaks) + d
+        self.width = self.prompt_encoder.cfg.max_words * (7 + 16) + d
 
     def forward(self, x: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         ids = self.prompt_encoder.tokens(prompts)  # [B, W]
@@ -137,23 +132,8 @@ class WordReader(nn.Module):
         read = self.maps(match.reshape(-1, 1, side, side)).flatten(2)  # [B·W, 8, 64]
         read = torch.cat([read.amax(-1), read.mean(-1)], dim=-1).reshape(*match.shape[:2], 16)
         strength = [match.amax(-1, keepdim=True), match.mean(-1, keepdim=True), area]
-        if self.peaks:
-            counts = peak_counts(match.reshape(-1, side, side))  # 2 × [B·W, 1]
-            strength += [c.reshape(*match.shape[:2], 1) for c in counts]
         per_word = torch.cat([*strength, centre, spread, read], dim=-1) * (ids != 0).unsqueeze(-1)
         return torch.cat([per_word.flatten(1), places.mean(1)], dim=1)
-
-
-def peak_counts(maps: torch.Tensor) -> list[torch.Tensor]:
-    """Soft counts [N, 1] of the peaks of ``maps`` [N, H, W]: the places at least as high as
-    every neighbour within 1 and within 2 places, each counted by its match's sigmoid (the
-    gradient reaches the peaks' heights, not which places are peaks)."""
-    counts = []
-    for reach in (1, 2):
-        pooled = nn.functional.max_pool2d(maps.unsqueeze(1), 2 * reach + 1, 1, reach).squeeze(1)
-        peak = (maps >= pooled).to(maps.dtype)
-        counts.append((torch.sigmoid(maps) * peak).sum((-2, -1)).unsqueeze(-1))
-    return counts
 
 
 class PolicyReader(nn.Module):
