@@ -26,7 +26,8 @@ from asyncrl.trainer.checkpoint import (
     save_checkpoint,
 )
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
-from asyncrl.trainer.core import NonFiniteError, TrainerCore
+from asyncrl.trainer.core import TrainerCore
+from asyncrl.trainer.finite import NonFiniteError
 from asyncrl.trainer.packing import MicroBatch, make_micro_batches
 
 from .conftest import full_tensor, wait_for_ranks

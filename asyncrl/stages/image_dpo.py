@@ -27,8 +27,9 @@ from asyncrl.stages.common import ProcessSpec, out_of_time, stage_main, trainer_
 from asyncrl.stages.image_pairs import ImagePairsConfig, training_pairs
 from asyncrl.stages.image_sft import ImageEvalConfig, held_out_scenes, judge_and_show
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
-from asyncrl.trainer.core import FiniteSteps, adamw
+from asyncrl.trainer.core import adamw
 from asyncrl.trainer.dist import DistInfo
+from asyncrl.trainer.finite import FiniteSteps
 
 
 @dataclass

@@ -53,8 +53,9 @@ from asyncrl.stages.common import ProcessSpec, out_of_time, stage_main, trainer_
 from asyncrl.stages.image_sft import ImageEvalConfig, held_out_scenes, judge_and_show
 from asyncrl.stages.rl import Ledger
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
-from asyncrl.trainer.core import FiniteSteps, adamw
+from asyncrl.trainer.core import adamw
 from asyncrl.trainer.dist import DistInfo
+from asyncrl.trainer.finite import FiniteSteps
 from asyncrl.transport import RunSite, TransportConfig
 from asyncrl.weights.sender import BucketPublisher
 

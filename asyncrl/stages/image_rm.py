@@ -25,8 +25,9 @@ from asyncrl.metrics import MetricsConfig, MetricsLogger
 from asyncrl.stages.common import ProcessSpec, out_of_time, stage_main, trainer_ranks
 from asyncrl.stages.image_pairs import ImagePairsConfig, load_or_make, training_pairs
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
-from asyncrl.trainer.core import FiniteSteps, adamw, param_groups
+from asyncrl.trainer.core import adamw, param_groups
 from asyncrl.trainer.dist import DistInfo
+from asyncrl.trainer.finite import FiniteSteps
 
 
 @dataclass

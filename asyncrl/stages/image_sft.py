@@ -31,8 +31,9 @@ from asyncrl.image.scenes import Scene, sample_scenes
 from asyncrl.metrics import MetricsConfig, MetricsLogger
 from asyncrl.stages.common import ProcessSpec, out_of_time, stage_main, trainer_ranks
 from asyncrl.trainer.config import OptimConfig, TrainerConfig
-from asyncrl.trainer.core import FiniteSteps, adamw
+from asyncrl.trainer.core import adamw
 from asyncrl.trainer.dist import DistInfo
+from asyncrl.trainer.finite import FiniteSteps
 
 
 @dataclass
