@@ -20,6 +20,12 @@ The rule, one move at a time:
 - the trainer is busy (idle below ``trainer_idle_low``) while ready batches pile up
   (``backlog_batches`` or more): generation runs ahead, so one generator fewer, and its
   cores or accelerator go back to the rest of the run;
+- a move that restarts the trainer (where generators and trainer share slots) must be
+  able to repay it: at best it speeds up the bottleneck side in proportion to the slots
+  it gives that side (generation by ``delta / generators``, training by ``delta /
+  trainer_slots``), and that share of a dwell must reach ``move_cost_s``. Near the best
+  split of many slots a one-slot move cannot repay a restart, whatever the idle share
+  says (the trainer still waits for batches there, between long-tail sequences);
 - nothing moves within ``dwell_s`` of the last move. Then the move is judged on what the
   run is for, trained tokens/s, against what they would have been without it: their
   level before the move carried on along their trend over the dwell before it (the
@@ -37,6 +43,7 @@ at once.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -68,6 +75,10 @@ class ElasticConfig:
     trend; one fewer is undone if they fell by as much."""
     retry_dwells: int = 3
     """Dwells before a direction that was undone is tried again."""
+    move_cost_s: float = 0.0
+    """Seconds of training a move of shared slots costs (the trainer's checkpoint and
+    restart on its new slot count). A move is made only if the most it could gain over a
+    dwell covers this; 0 where moves do not stop the trainer."""
     max_step: int = 1
     """Most generators one move adds. Above 1, a move goes toward the split where
     generation would keep the trainer busy (estimated from its idle share; see
@@ -109,6 +120,8 @@ class ElasticConfig:
                 f"must lie within elastic.min_reward_servers..max_reward_servers ({rlo}..{rhi}), "
                 "the lower at least 1"
             )
+        if self.move_cost_s < 0:
+            raise ValueError(f"elastic.move_cost_s={self.move_cost_s:g} must be at least 0")
         if self.max_step < 1:
             raise ValueError(f"elastic.max_step={self.max_step} must be at least 1")
         if not 0 <= self.trainer_idle_low < self.trainer_idle_high <= 1:
@@ -183,6 +196,28 @@ def balanced(s: Signals) -> float:
     return (s.generators + s.trainer_slots) * ratio / (1 + ratio)
 
 
+def predicted(s: Signals, generators: int) -> float:
+    """Trained tokens/s at ``generators`` generators, by the same scaling as ``balanced``:
+    what generation supplies now (the trained tokens/s, while the trainer waits) grows
+    with the generators; what training could take (the trained tokens/s over its busy
+    share) with the trainer's slots, which shared slots shrink as generators grow."""
+    supply = s.trained_tokens_per_s * generators / max(s.generators, 1)
+    capacity = s.trained_tokens_per_s / max(1.0 - s.trainer_idle, 1e-3)
+    if s.trainer_slots > 0:
+        capacity *= max(s.generators + s.trainer_slots - generators, 0) / s.trainer_slots
+    return min(supply, capacity)
+
+
+def balanced_target(s: Signals) -> int:
+    """The whole generator count to move toward: ``balanced`` rounded, or on shared slots
+    the whole count either side of it that ``predicted`` rates higher (rounded up past the
+    balance, a split can leave the trainer too few slots to take what is generated)."""
+    b = balanced(s)
+    if s.trainer_slots <= 0:
+        return round(b)
+    return max((math.floor(b), math.ceil(b)), key=lambda g: predicted(s, g))
+
+
 class Move(NamedTuple):
     delta: int
     """Processes of ``role`` more (+) or fewer (-)."""
@@ -212,7 +247,10 @@ class Controller:
             undo = self._judged(now, s)
             if undo is not None:
                 return self._made(undo, now, judge=False)
-        move = next((m for m in self._wanted(s) if now >= self._blocked_until(m)), None)
+        move = next(
+            (m for m in self._wanted(s) if now >= self._blocked_until(m) and self._repays(m, s)),
+            None,
+        )
         if move is None:
             return None
         if self._trend() is None:
@@ -278,7 +316,7 @@ class Controller:
             )
         if s.trainer_idle > cfg.trainer_idle_high and s.generators < cfg.max_generators:
             room = cfg.max_generators - s.generators
-            step = min(cfg.max_step, room, max(1, round(balanced(s)) - s.generators))
+            step = min(cfg.max_step, room, max(1, balanced_target(s) - s.generators))
             yield Move(step, f"trainer idle {s.trainer_idle:.0%} > {cfg.trainer_idle_high:.0%}")
         busy = s.trainer_idle < cfg.trainer_idle_low
         if busy and s.ready_batches >= cfg.backlog_batches and s.generators > cfg.min_generators:
@@ -287,6 +325,14 @@ class Controller:
                 f"trainer idle {s.trainer_idle:.0%} < {cfg.trainer_idle_low:.0%} with "
                 f"{s.ready_batches:.1f} batches ready",
             )
+
+    def _repays(self, move: Move, s: Signals) -> bool:
+        """Whether ``move`` could repay a restart of the trainer within a dwell: at best it
+        speeds the side it gives slots to in proportion to them."""
+        if move.role != "generators" or s.trainer_slots <= 0 or self.cfg.move_cost_s <= 0:
+            return True
+        side = s.generators if move.delta > 0 else s.trainer_slots
+        return abs(move.delta) / max(side, 1) * self.cfg.dwell_s >= self.cfg.move_cost_s
 
     def _blocked_until(self, move: Move) -> float:
         """Until when ``move``'s role and direction wait after an undo."""

@@ -21,6 +21,8 @@ from asyncrl.elastic import (
     Signals,
     StepRecord,
     balanced,
+    balanced_target,
+    predicted,
     signals,
 )
 from asyncrl.launcher import elastic as elastic_loop
@@ -120,6 +122,39 @@ def test_on_shared_slots_a_move_goes_toward_the_balanced_split_up_to_max_step():
     assert feed(narrow, 0, 30, s)[0][1].delta == 2
     # Where the trainer keeps its size, generation alone grows by 1 / (1 - idle).
     assert balanced(s._replace(trainer_slots=0)) == pytest.approx(8 / 0.4)
+
+
+def test_on_shared_slots_the_target_is_the_whole_split_either_side_that_predicts_more():
+    """12 generate, 4 train, the trainer idles 45%: the balance is at 13.5 slots; at 14
+    the two trainer slots left could take less than is generated now, so 13."""
+    s = Signals(12, trainer_idle=0.45, ready_batches=0.0, trained_tokens_per_s=1.0, trainer_slots=4)
+    assert balanced(s) == pytest.approx(13.52, abs=0.01)
+    assert predicted(s, 13) == pytest.approx(13 / 12) and predicted(s, 14) < 1.0
+    assert balanced_target(s) == 13
+    c = Controller(replace(CFG, max_generators=15, max_step=8))
+    assert feed(c, 0, 30, s)[0][1].delta == 1
+    # Where the trainer keeps its size, the balance is rounded as it is.
+    assert balanced_target(s._replace(trainer_slots=0)) == round(12 / 0.55)
+
+
+def test_a_move_that_restarts_the_trainer_is_made_only_if_it_could_repay_the_restart():
+    """With a 120 s restart and a 900 s dwell, one slot more for 12 generating slots can
+    add at most 1/12 of generation, 75 s of a dwell: not made. Three more for eight can
+    add 3/8, 338 s: made."""
+    cfg = replace(CFG, max_generators=15, max_step=8, dwell_s=900.0, window_s=30.0)
+    near = Signals(
+        12, trainer_idle=0.45, ready_batches=0.0, trained_tokens_per_s=1.0, trainer_slots=4
+    )
+    assert feed(Controller(replace(cfg, move_cost_s=120.0)), 0, 60, near) == []
+    assert feed(Controller(cfg), 0, 60, near)[0][1].delta == 1  # free moves: made
+    far = near._replace(generators=8, trainer_slots=8, trainer_idle=0.63)
+    [(_, move)] = feed(Controller(replace(cfg, move_cost_s=120.0)), 0, 60, far)
+    assert move.delta == 3  # 11: at 12 the trainer's four slots would take less
+    # Generators that do not share the trainer's slots restart nothing.
+    alone = near._replace(trainer_slots=0)
+    assert feed(Controller(replace(cfg, move_cost_s=120.0)), 0, 60, alone)[0][1].delta > 0
+    with pytest.raises(ValueError, match="elastic.move_cost_s=-1 must be at least 0"):
+        replace(cfg, move_cost_s=-1.0).check(2)
 
 
 def test_trained_tokens_per_s_are_over_the_steps_own_time():

@@ -16,7 +16,7 @@ import pytest
 from asyncrl.elastic import Controller, ElasticConfig
 from asyncrl.sim import SimConfig, SimParams
 from asyncrl.sim.buffer import SimBuffer
-from asyncrl.sim.elastic import ElasticSimulation, MoveCosts, Phases, study
+from asyncrl.sim.elastic import ElasticSimulation, MoveCosts, OneMove, Phases, study
 from asyncrl.sim.gpu import GpuSpec, Workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,6 +61,14 @@ def test_a_starved_trainer_s_slots_move_to_generation_and_the_run_ends_sooner():
     assert elastic.time_s < 0.9 * fixed.time_s
 
 
+def test_the_one_move_bound_moves_once_at_the_first_look():
+    bound = OneMove(CONTROL, 5)
+    run = ElasticSimulation(SMALL, GpuSpec(), (8, 8), 1, PHASES, COSTS, bound).run_to_end()
+    [move] = run.moves
+    assert move["generator_slots"] == 5 and move["time_s"] <= 2 * CONTROL.window_s
+    assert set(run.seconds_at) == {1, 5} and run.resize_s == COSTS.resize_s
+
+
 def test_the_study_compares_the_controller_with_every_fixed_split():
     result = study(SMALL, GpuSpec(), (4, 8), PHASES, COSTS, CONTROL)
     assert (
@@ -70,6 +78,8 @@ def test_the_study_compares_the_controller_with_every_fixed_split():
     assert result["elastic_gain_over_best_fixed"] == pytest.approx(
         best / result["elastic"]["time_s"] - 1, abs=0.01
     )
+    one = result["one_move_to_best"]
+    assert one["gain_over_best_fixed"] == pytest.approx(best / one["time_s"] - 1, abs=0.01)
     some = study(SMALL, GpuSpec(), (4, 8), PHASES, COSTS, CONTROL, compared=(2, 3))
     assert set(some["fixed"]) == {"2", "3"} and some["fixed"]["2"] == result["fixed"]["2"]
     assert some["elastic"] == result["elastic"]  # the controller's run is the same

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.elastic import Controller, ElasticConfig, Signals, StepRecord, signals
+from asyncrl.elastic import Controller, ElasticConfig, Move, Signals, StepRecord, signals
 from asyncrl.sim.buffer import SimBuffer
 from asyncrl.sim.gpu import (
     GpuSpec,
@@ -124,7 +124,7 @@ class ElasticSimulation(Simulation):
         generator_slots: int,
         phases: Phases,
         costs: MoveCosts,
-        controller: Controller | None,
+        controller: Controller | OneMove | None,
         max_staleness: int | None = 4,
         seed: int = 0,
     ) -> None:
@@ -276,6 +276,23 @@ class ElasticSimulation(Simulation):
         )
 
 
+class OneMove:
+    """A stand-in for the controller that moves to ``split`` generating slots the first
+    time it is shown signals and never again: what a controller that must look before it
+    moves could at best do from its start, had it been told the best fixed split."""
+
+    def __init__(self, cfg: ElasticConfig, split: int) -> None:
+        self.cfg, self.split, self.moved = cfg, split, False
+
+    def decide(self, now: float, s: Signals) -> Move | None:
+        if self.moved or s.generators == self.split:
+            return None
+        self.moved = True
+        return Move(
+            self.split - s.generators, f"to the best fixed split at first sight ({now:.0f} s)"
+        )
+
+
 def study(
     w: Workload,
     gpu: GpuSpec,
@@ -290,13 +307,16 @@ def study(
     """Every fixed split the trainer's memory allows (or those of them in ``compared``:
     a long run's study can skip the splits far from the best), and the elastic placement
     started from an even split (it is not told which split is best): time to finish the
-    run and trained tokens/s of each."""
+    run and trained tokens/s of each. Beside them, ``OneMove`` from the same start to the
+    best fixed split: the bound of any controller that must see the run before it moves."""
     count, slot_gpus = slots
     fewest_training = math.ceil(min_trainer_gpus(w, gpu) / slot_gpus)
     splits = range(1, count - fewest_training + 1)
     if impossible := sorted(set(compared) - set(splits)):
         raise ValueError(f"splits {impossible} are not possible here: {list(splits)} are")
-    elastic = dataclasses.replace(elastic, min_generators=1, max_generators=splits[-1])
+    elastic = dataclasses.replace(
+        elastic, min_generators=1, max_generators=splits[-1], move_cost_s=costs.resize_s
+    )
     args = (w, gpu, slots)
     fixed = {
         g: ElasticSimulation(*args, g, phases, costs, None, max_staleness, seed).run_to_end()
@@ -308,6 +328,9 @@ def study(
         *args, start, phases, costs, control, max_staleness, seed
     ).run_to_end()
     best = min(fixed, key=lambda g: fixed[g].time_s)
+    one_move = ElasticSimulation(
+        *args, start, phases, costs, OneMove(elastic, best), max_staleness, seed
+    ).run_to_end()
     return {
         "gpus": count * slot_gpus,
         "slots": count,
@@ -327,6 +350,10 @@ def study(
             "resize_s": adaptive.resize_s,
             "seconds_at": {str(k): round(v) for k, v in adaptive.seconds_at.items()},
             "moves": adaptive.moves,
+        },
+        "one_move_to_best": {
+            "time_s": round(one_move.time_s),
+            "gain_over_best_fixed": fixed[best].time_s / one_move.time_s - 1,
         },
         "controller": dataclasses.asdict(elastic),
         "elastic_gain_over_best_fixed": fixed[best].time_s / adaptive.time_s - 1,
