@@ -5,6 +5,7 @@ through the launcher on a small policy and a pair file written here."""
 from __future__ import annotations
 
 import json
+import logging
 import random
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import torch
 from asyncrl.algorithms.flow_dpo import diffusion_dpo_loss, velocity_errors
 from asyncrl.algorithms.preference import DPOLossConfig, dpo_loss
 from asyncrl.config import ConfigError, apply_overrides, load_experiment
+from asyncrl.image import pairs as image_pairs
 from asyncrl.image.check import judge
 from asyncrl.image.model import ImageModelConfig, ImagePolicy, to_pixels
 from asyncrl.image.pairs import PicturePairs, make_pairs, mirrored, rejudged
@@ -49,11 +51,15 @@ def drawn_pairs(n: int, held_out: bool, seed: int) -> PicturePairs:
     )
 
 
-def test_pairs_are_the_policy_s_own_pictures_best_against_worst(tmp_path):
+def test_pairs_are_the_policy_s_own_pictures_best_against_worst(tmp_path, monkeypatch, caplog):
     torch.manual_seed(0)
     policy = ImagePolicy(SMALL)
     scenes = sample_scenes(8, held_out=False, seed=0)
-    pairs = make_pairs(policy, scenes, per_prompt=3, steps=3, shift=3.0, seed=5)
+    monkeypatch.setattr(image_pairs, "PROGRESS_EVERY_S", 0.0)  # say how far at every batch
+    with caplog.at_level(logging.INFO, logger="asyncrl.image.pairs"):
+        pairs = make_pairs(policy, scenes, per_prompt=3, steps=3, shift=3.0, seed=5, batch=16)
+    said = [r.getMessage().split(" (")[0] for r in caplog.records]
+    assert said == ["16 of 24 pictures drawn for pairs", "24 of 24 pictures drawn for pairs"]
     assert len(pairs) <= 8 and pairs.chosen.shape[1:] == (32, 32, 3)
     assert (pairs.chosen_score > pairs.rejected_score).all()
     by_prompt = {s.prompt: s for s in scenes}

@@ -24,7 +24,9 @@ pictures [P, H, W, 3]) and their scores.
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +37,11 @@ from asyncrl.image.check import blobs, judge, judge_blobs
 from asyncrl.image.model import ImagePolicy
 from asyncrl.image.sample import generate
 from asyncrl.image.scenes import Scene, held_out_prompt, split
+
+log = logging.getLogger(__name__)
+
+PROGRESS_EVERY_S = 60.0
+"""How often drawing pictures for pairs says how far it has come (it takes minutes)."""
 
 SWAPPED_WORDS = (
     {"left": "right", "right": "left"},  # flipped left-right
@@ -108,12 +115,15 @@ def make_pairs(
     policy.eval()
     prompts = [s.prompt for s in scenes for _ in range(per_prompt)]
     seeds = [seed + i for i in range(len(prompts))]
-    pictures = torch.cat(
-        [
-            generate(policy, prompts[i : i + batch], seeds[i : i + batch], steps, shift)
-            for i in range(0, len(prompts), batch)
-        ]
-    ).numpy()
+    parts, start = [], time.monotonic()
+    said = start
+    for i in range(0, len(prompts), batch):
+        parts.append(generate(policy, prompts[i : i + batch], seeds[i : i + batch], steps, shift))
+        if time.monotonic() - said >= PROGRESS_EVERY_S:
+            said = time.monotonic()
+            done = min(i + batch, len(prompts))
+            log.info("%d of %d pictures drawn for pairs (%.0f s)", done, len(prompts), said - start)
+    pictures = torch.cat(parts).numpy()
     policy.train(was_training)
     out: dict[str, list] = {k: [] for k in ("prompts", "chosen", "rejected", "cs", "rs")}
     for i, scene in enumerate(scenes):
