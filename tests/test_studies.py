@@ -132,6 +132,35 @@ def test_compare_policies_pairs_the_problems(tiny_model_dir):
     assert figures["b_right_a_wrong"] == figures["a_right_b_wrong"] == 0
 
 
+def test_compare_image_policies_pairs_the_same_pictures(tmp_path):
+    """Per category and over all (the categories' mean): the discordant pictures counted
+    each way; and the same policy twice judged on every held-out scene with no difference."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from compare_image_policies import paired
+
+    from asyncrl.image.model import ImageModelConfig, ImagePolicy
+    from asyncrl.image.scenes import CATEGORIES, split
+
+    cats = ["single"] * 4 + ["counting"] * 2 + ["two_objects", "position"]
+    a = [True, True, False, False, True, False, False, True]
+    b = [True, False, True, True, True, True, False, True]
+    rows = paired(cats, a, b)
+    assert (rows["single"]["b_right_a_wrong"], rows["single"]["a_right_b_wrong"]) == (2, 1)
+    assert rows["single"]["success_a"] == 0.5 and rows["single"]["success_b"] == 0.75
+    assert rows["counting"]["success_b"] == 1.0 and rows["position"]["sign_test_p"] == 1.0
+    assert rows["overall"]["success_b"] == (0.75 + 1.0 + 0.0 + 1.0) / 4
+    assert (rows["overall"]["b_right_a_wrong"], rows["overall"]["a_right_b_wrong"]) == (3, 1)
+    policy = tmp_path / "policy"
+    ImagePolicy(ImageModelConfig(layers=1, heads=2, head_dim=8, text_dim=16)).save(policy)
+    figures = run_tool(
+        ["tools/compare_image_policies.py", str(policy), str(policy), "--noises", "1"]
+    )
+    assert figures["scenes"] == len(split(held_out=True)) and figures["noises"] == 1
+    by = figures["by_category"]
+    assert sum(by[c]["pictures"] for c in CATEGORIES) == figures["scenes"]
+    assert by["overall"]["b_right_a_wrong"] == by["overall"]["a_right_b_wrong"] == 0
+
+
 def _elastic_study():
     import importlib.util
 

@@ -133,7 +133,10 @@ class ImagePolicy(nn.Module):
         if meta["vocabulary"] != VOCABULARY:
             raise ValueError(f"{path}: its prompt vocabulary is not this code's")
         policy = cls(ImageModelConfig(**meta["config"]))
-        policy.transformer = SD3Transformer2DModel.from_pretrained(path / "transformer")
+        # A few MB: loaded whole, which needs no ``accelerate`` (and no warning about it).
+        policy.transformer = SD3Transformer2DModel.from_pretrained(
+            path / "transformer", low_cpu_mem_usage=False
+        )
         policy.prompt_encoder.load_state_dict(load_file(path / "prompt_encoder.safetensors"))
         return policy
 
