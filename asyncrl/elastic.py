@@ -78,7 +78,9 @@ class ElasticConfig:
     move_cost_s: float = 0.0
     """Seconds of training a move of shared slots costs (the trainer's checkpoint and
     restart on its new slot count). A move is made only if the most it could gain over a
-    dwell covers this; 0 where moves do not stop the trainer."""
+    dwell covers this. It applies where generators and trainer share slots (the
+    simulator's cluster); the launchers' generators have cores of their own, and moving
+    them does not stop the trainer."""
     max_step: int = 1
     """Most generators one move adds. Above 1, a move goes toward the split where
     generation would keep the trainer busy (estimated from its idle share; see
