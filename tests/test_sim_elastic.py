@@ -16,7 +16,8 @@ import pytest
 from asyncrl.elastic import Controller, ElasticConfig
 from asyncrl.sim import SimConfig, SimParams
 from asyncrl.sim.buffer import SimBuffer
-from asyncrl.sim.elastic import ElasticSimulation, MoveCosts, OneMove, Phases, study
+from asyncrl.sim.elastic import ElasticSimulation, MoveCosts, Phases
+from asyncrl.sim.elastic_study import OneMove, study
 from asyncrl.sim.gpu import GpuSpec, Workload
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.elastic import ElasticConfig
-from asyncrl.sim.elastic import MoveCosts, Phases, study
+from asyncrl.sim.elastic import MoveCosts, Phases
+from asyncrl.sim.elastic_study import study
 from asyncrl.sim.gpu import GpuSpec, Workload, sweep
 
 

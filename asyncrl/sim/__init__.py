@@ -14,7 +14,8 @@ placement, one process alternating the two.
     workload.py   its workload half: length histograms, the filter schedule by version
     gpu.py        a parametric GPU cost model (assumptions, not measurements) and sweeps
     elastic.py    the elastic placement's controller (``asyncrl.elastic``) moving slots of
-                  a simulated cluster while the workload changes, against fixed splits
+                  a simulated cluster while the workload changes
+    elastic_study.py  that against every fixed split, and against one move to the best
 
 ``tools/simulate.py`` is the command line: ``check``, ``predict``, ``sweep``, ``elastic``.
 """

@@ -1,7 +1,7 @@
 """The elastic placement on a simulated GPU cluster: the controller the launcher runs
 (``asyncrl.elastic.Controller``, the same code, not a copy) moves slots between generation
 and training while the workload changes under it; every fixed split of the same cluster
-runs the same workload for comparison.
+runs the same workload for comparison (``asyncrl.sim.elastic_study``).
 
 The cluster is ``slots`` slots of ``slot_gpus`` GPUs each, costed by ``asyncrl.sim.gpu``
 (assumed figures, not measurements). A slot either generates (its engines join the
@@ -33,18 +33,16 @@ import dataclasses
 import math
 import random
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.elastic import Controller, ElasticConfig, Move, Signals, StepRecord, signals
+from asyncrl.elastic import Controller, Signals, StepRecord, signals
 from asyncrl.sim.buffer import SimBuffer
 from asyncrl.sim.gpu import (
     GpuSpec,
     Workload,
     engine_shape,
     gpu_params,
-    min_trainer_gpus,
     point_config,
 )
 from asyncrl.sim.model import length_factor
@@ -111,7 +109,8 @@ class ClusterRun:
 
 class ElasticSimulation(Simulation):
     """The async placement on ``slots`` slots, ``generator_slots`` of them generating at
-    first; ``controller`` moves them (None: the split stays fixed)."""
+    first; ``controller`` moves them (None: the split stays fixed; anything with a
+    ``cfg`` and ``decide`` as ``Controller`` has, such as the study's ``OneMove``)."""
 
     tick_s = 30.0
     """How often the controller is shown the signals, as the launcher's loop does."""
@@ -124,7 +123,7 @@ class ElasticSimulation(Simulation):
         generator_slots: int,
         phases: Phases,
         costs: MoveCosts,
-        controller: Controller | OneMove | None,
+        controller: Controller | None,
         max_staleness: int | None = 4,
         seed: int = 0,
     ) -> None:
@@ -274,89 +273,3 @@ class ElasticSimulation(Simulation):
             seconds_at=dict(sorted(self.seconds_at.items())),
             resize_s=self.resize_s,
         )
-
-
-class OneMove:
-    """A stand-in for the controller that moves to ``split`` generating slots the first
-    time it is shown signals and never again: what a controller that must look before it
-    moves could at best do from its start, had it been told the best fixed split."""
-
-    def __init__(self, cfg: ElasticConfig, split: int) -> None:
-        self.cfg, self.split, self.moved = cfg, split, False
-
-    def decide(self, now: float, s: Signals) -> Move | None:
-        if self.moved or s.generators == self.split:
-            return None
-        self.moved = True
-        return Move(
-            self.split - s.generators, f"to the best fixed split at first sight ({now:.0f} s)"
-        )
-
-
-def study(
-    w: Workload,
-    gpu: GpuSpec,
-    slots: tuple[int, int],
-    phases: Phases,
-    costs: MoveCosts,
-    elastic: ElasticConfig,
-    max_staleness: int | None = 4,
-    seed: int = 0,
-    compared: Sequence[int] = (),
-) -> dict[str, Any]:
-    """Every fixed split the trainer's memory allows (or those of them in ``compared``:
-    a long run's study can skip the splits far from the best), and the elastic placement
-    started from an even split (it is not told which split is best): time to finish the
-    run and trained tokens/s of each. Beside them, ``OneMove`` from the same start to the
-    best fixed split: the bound of any controller that must see the run before it moves."""
-    count, slot_gpus = slots
-    fewest_training = math.ceil(min_trainer_gpus(w, gpu) / slot_gpus)
-    splits = range(1, count - fewest_training + 1)
-    if impossible := sorted(set(compared) - set(splits)):
-        raise ValueError(f"splits {impossible} are not possible here: {list(splits)} are")
-    elastic = dataclasses.replace(
-        elastic, min_generators=1, max_generators=splits[-1], move_cost_s=costs.resize_s
-    )
-    args = (w, gpu, slots)
-    fixed = {
-        g: ElasticSimulation(*args, g, phases, costs, None, max_staleness, seed).run_to_end()
-        for g in compared or splits
-    }
-    start = min(splits[-1], max(1, count // 2))
-    control = Controller(elastic)
-    adaptive = ElasticSimulation(
-        *args, start, phases, costs, control, max_staleness, seed
-    ).run_to_end()
-    best = min(fixed, key=lambda g: fixed[g].time_s)
-    one_move = ElasticSimulation(
-        *args, start, phases, costs, OneMove(elastic, best), max_staleness, seed
-    ).run_to_end()
-    return {
-        "gpus": count * slot_gpus,
-        "slots": count,
-        "slot_gpus": slot_gpus,
-        "fixed": {
-            str(g): {
-                "time_s": round(r.time_s),
-                "trained_tokens_per_s": round(r.trained_tokens_per_s),
-            }
-            for g, r in fixed.items()
-        },
-        "best_fixed_generator_slots": best,
-        "elastic": {
-            "start_generator_slots": start,
-            "time_s": round(adaptive.time_s),
-            "trained_tokens_per_s": round(adaptive.trained_tokens_per_s),
-            "resize_s": adaptive.resize_s,
-            "seconds_at": {str(k): round(v) for k, v in adaptive.seconds_at.items()},
-            "moves": adaptive.moves,
-        },
-        "one_move_to_best": {
-            "time_s": round(one_move.time_s),
-            "gain_over_best_fixed": fixed[best].time_s / one_move.time_s - 1,
-        },
-        "controller": dataclasses.asdict(elastic),
-        "elastic_gain_over_best_fixed": fixed[best].time_s / adaptive.time_s - 1,
-        "elastic_gain_over_worst_fixed": max(r.time_s for r in fixed.values()) / adaptive.time_s
-        - 1,
-    }
