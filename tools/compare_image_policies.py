@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -50,31 +51,26 @@ def successes(
 
 
 def paired(cats: list[str], a: list[bool], b: list[bool]) -> dict[str, dict[str, float]]:
-    """Per category: success of each, the discordant pictures, and the sign test."""
-    rows = {}
-    for cat in CATEGORIES:
-        idx = [i for i, c in enumerate(cats) if c == cat]
-        up = sum(b[i] and not a[i] for i in idx)
-        down = sum(a[i] and not b[i] for i in idx)
-        rows[cat] = {
-            "pictures": len(idx),
-            "success_a": sum(a[i] for i in idx) / len(idx),
-            "success_b": sum(b[i] for i in idx) / len(idx),
-            "b_right_a_wrong": up,
-            "a_right_b_wrong": down,
-            "sign_test_p": sign_test(up, down),
-        }
-    up = sum(r["b_right_a_wrong"] for r in rows.values())
-    down = sum(r["a_right_b_wrong"] for r in rows.values())
-    rows["overall"] = {
-        "pictures": len(cats),
-        "success_a": sum(r["success_a"] for r in rows.values()) / len(CATEGORIES),
-        "success_b": sum(r["success_b"] for r in rows.values()) / len(CATEGORIES),
+    """Per category and over all (success as the categories' mean): success of each, the
+    discordant pictures, and the sign test."""
+    rows = {cat: _row([i for i, c in enumerate(cats) if c == cat], a, b) for cat in CATEGORIES}
+    rows["overall"] = _row(range(len(cats)), a, b)
+    for key in ("success_a", "success_b"):
+        rows["overall"][key] = sum(rows[c][key] for c in CATEGORIES) / len(CATEGORIES)
+    return rows
+
+
+def _row(idx: Sequence[int], a: list[bool], b: list[bool]) -> dict[str, float]:
+    up = sum(b[i] and not a[i] for i in idx)
+    down = sum(a[i] and not b[i] for i in idx)
+    return {
+        "pictures": len(idx),
+        "success_a": sum(a[i] for i in idx) / len(idx),
+        "success_b": sum(b[i] for i in idx) / len(idx),
         "b_right_a_wrong": up,
         "a_right_b_wrong": down,
         "sign_test_p": sign_test(up, down),
     }
-    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
