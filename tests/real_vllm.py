@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from asyncrl.chat_tokenizers import save_tokenizer, small_tokenizer
+from asyncrl.engine.servers import die_with_parent
 from asyncrl.random_models import generation_config, random_init_model
 from asyncrl.shapes import SHAPES, hf_config, miniature
 
@@ -113,8 +114,14 @@ def vllm_server(model_dir: str, log_dir: Path, *flags: str) -> Iterator[str]:
     log_path = log_dir / f"vllm-{Path(model_dir).name}-{port}.log"
     cmd = ["bash", str(ENV_SCRIPT), "serve", model_dir, str(port), "--max-model-len", "512"]
     with open(log_path, "w") as log:
+        # Its own group, so that stop() reaches its engine core; and a death signal, so
+        # that a suite killed before stop() does not leave a server behind.
         proc = subprocess.Popen(
-            [*cmd, *flags], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            [*cmd, *flags],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
         )
     url = f"http://127.0.0.1:{port}"
     try:

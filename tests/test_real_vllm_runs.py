@@ -14,6 +14,9 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from subprocess import PIPE, STDOUT
+
+from asyncrl.engine.servers import die_with_parent
 
 from .real_vllm import VLLM_PYTHON, real_vllm, restore_server, vllm_server, wait_until
 from .test_remote_engine import ROOT
@@ -117,7 +120,7 @@ def test_a_launched_real_vllm_killed_mid_run_is_restarted(vllm_models, tmp_path)
     cmd = grpo(run_dir, vllm_models["qwen-tied"], "rl.max_steps=30")
     cmd += [f"engine.remote.python={VLLM_PYTHON}", "engine.remote.dtype=float32"]
     cmd += ['engine.remote.extra_args=["--enforce-eager"]']
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=PIPE, stderr=STDOUT, preexec_fn=die_with_parent)
     try:
         wait_until(lambda: trained_steps(run_dir) >= 2, 400, "two steps")
         os.killpg(os.getpgid(server_pid(run_dir)), signal.SIGKILL)
@@ -143,7 +146,9 @@ def test_an_attached_real_vllm_that_stays_down_stops_the_run(vllm_models, tmp_pa
     with vllm_server(vllm_models["qwen-tied"], log_dir) as url:
         cmd = grpo(run_dir, vllm_models["qwen-tied"], "rl.max_steps=200")
         cmd += [f'engine.remote.urls=["{url}"]', f"engine.remote.dead_after_s={dead_after_s}"]
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=PIPE, stderr=STDOUT, preexec_fn=die_with_parent
+        )
         try:
             wait_until(lambda: trained_steps(run_dir) >= 2, 400, "two steps")
             port = url.rsplit(":", 1)[1]

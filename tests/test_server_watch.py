@@ -15,6 +15,7 @@ import pytest
 
 from asyncrl.engine.base import Request, SamplingParams, ServerFailed
 from asyncrl.engine.remote import RemoteEngine
+from asyncrl.engine.servers import die_with_parent
 
 from .sglang_client import free_port, wait_healthy
 from .test_remote_engine import ROOT, drain, post, remote_config
@@ -26,7 +27,13 @@ def front(model_dir: str, log_dir) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "asyncrl.serving.serve", "--model", model_dir]
     cmd += ["--port", str(port), "--max-slots", "8", "--max-seq-len", "128", "--threads", "1"]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc, log_path, timeout=120)
     return proc, url
@@ -149,3 +156,39 @@ def test_a_run_whose_trainer_never_steps_ends_at_its_time_limit(tiny_model_dir, 
     assert '"steps": 0' in summary
     assert took < 20 + 60, took
     assert "the time limit passed waiting" in (run_dir / "logs" / "trainer_0.log").read_text()
+
+
+HOLDER = """
+import subprocess, sys, time
+from asyncrl.engine.servers import die_with_parent
+child = subprocess.Popen(["sleep", "300"], start_new_session=True, preexec_fn=die_with_parent)
+print(child.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie awaiting its reaper is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_launched_server_ends_when_its_launcher_is_killed():
+    """A server in its own process group (so a stop reaches its engine core) outlives a
+    SIGKILLed launcher unless it asked for a death signal: ``die_with_parent`` does."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, cwd=ROOT)
+    child = int(holder.stdout.readline())
+    assert running(child)
+    holder.kill()
+    holder.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while running(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = running(child)
+    if alive:
+        os.kill(child, signal.SIGKILL)
+    assert not alive, "the launched process outlived its SIGKILLed launcher"

@@ -33,7 +33,7 @@ from aiohttp import web
 from asyncrl.engine.base import Request, SamplingParams
 from asyncrl.engine.config import RemoteEngineConfig
 from asyncrl.engine.remote import RemoteEngine
-from asyncrl.engine.servers import VLLM_CPU_KV_GB, server_command, server_env
+from asyncrl.engine.servers import VLLM_CPU_KV_GB, die_with_parent, server_command, server_env
 from asyncrl.engine.vllm_requests import (
     TESTED_VLLM,
     VllmServer,
@@ -63,7 +63,9 @@ def launched_front(model_dir: str, log_dir: Path, vllm_version: str = FRONT_VLLM
     cmd += ["--port", str(port), "--max-slots", "16", "--max-seq-len", "128", "--threads", "1"]
     cmd += ["--vllm-version", vllm_version]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, log_path, timeout=120)

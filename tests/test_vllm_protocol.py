@@ -26,6 +26,7 @@ import time
 import pytest
 import torch
 
+from asyncrl.engine.servers import die_with_parent
 from asyncrl.engine.vllm_requests import check_version, parse_version
 from asyncrl.logprobs import token_logprobs
 from asyncrl.models import ModelConfig, load_model
@@ -56,7 +57,13 @@ def server(request, vllm_models, tmp_path_factory):
     port, log_path = free_port(), log_dir / f"{kind}.log"
     with open(log_path, "w") as log:
         cmd = front(model_dir, port, kind.removeprefix("front-"))
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc, log_path, timeout=120)
     yield Server(kind, url, model_dir, 1e-4)

@@ -171,7 +171,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child before exec: SIGTERM when the launching thread's process dies."""
     # Not Linux: no death signal, but close() still stops the servers on a clean exit.
     with contextlib.suppress(OSError):
@@ -216,7 +216,7 @@ def _launch(
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
             env=server_env(cfg, index),
         )
     return Server(f"http://127.0.0.1:{port}", proc, log_path, index)
