@@ -11,7 +11,11 @@ assumed figures, not measurements).
         (``asyncrl.elastic``, the launcher's own code) started from an even split: time
         to finish and trained tokens/s of each, the controller's moves, and a run that
         moves to the best fixed split at the first look (what any controller that must
-        see the run before it moves could at best do from that start).
+        see the run before it moves could at best do from that start). With
+        ``--verdict-tokens N``, a judge of the policy's size writing N tokens per sample
+        scores every sample on slots of its own (``--judge-start`` at first; the fixed
+        splits at each of ``--judge-slots``), and the controller moves slots between it
+        and generation too.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from asyncrl.elastic import ElasticConfig
 from asyncrl.sim.elastic import MoveCosts, Phases
 from asyncrl.sim.elastic_study import study
 from asyncrl.sim.gpu import GpuSpec, Workload, sweep
+from asyncrl.sim.scoring import Judge
 
 
 def fmt_or_dash(x: float | None, spec: str) -> str:
@@ -68,6 +73,13 @@ def add_cluster_commands(sub: argparse._SubParsersAction) -> None:
         default=(),
         help="fixed splits to compare (generating slots, e.g. 10-13 or 8,12); default: all",
     )
+    e.add_argument(
+        "--verdict-tokens", type=int, default=0, help="a judge's tokens per sample (0: no judge)"
+    )
+    e.add_argument("--judge-start", type=int, default=1, help="judge slots at the start")
+    e.add_argument(
+        "--judge-slots", type=splits_arg, default=(), help="judge slots of the fixed splits"
+    )
 
 
 def run_cluster_command(args: argparse.Namespace) -> dict[str, Any]:
@@ -84,8 +96,22 @@ def run_elastic(args: argparse.Namespace) -> dict[str, Any]:
     control = ElasticConfig(dwell_s=args.dwell_s, window_s=args.window_s, max_step=args.max_step)
     w, gpu = workload_from_args(args), gpu_from_args(args.gpu)
     slots = (args.gpus // args.slot_gpus, args.slot_gpus)
-    result = study(w, gpu, slots, phases, costs, control, args.eta, args.seed, args.splits)
-    print(f"{'generating slots':>16} {'time s':>9} {'trained tok/s':>14}")
+    judge = Judge(args.verdict_tokens, args.judge_start) if args.verdict_tokens > 0 else None
+    result = study(
+        w,
+        gpu,
+        slots,
+        phases,
+        costs,
+        control,
+        args.eta,
+        args.seed,
+        args.splits,
+        judge,
+        args.judge_slots,
+    )
+    head = "generating/judging" if judge else "generating slots"
+    print(f"{head:>16} {'time s':>9} {'trained tok/s':>14}")
     for g, r in result["fixed"].items():
         print(f"{g:>16} {r['time_s']:>9} {r['trained_tokens_per_s']:>14}")
     el = result["elastic"]
@@ -93,9 +119,9 @@ def run_elastic(args: argparse.Namespace) -> dict[str, Any]:
     one = result["one_move_to_best"]
     print(f"{'one move to best':>16} {one['time_s']:>9}  (at the first look: the bound)")
     for m in el["moves"]:
-        print(
-            f"  {m['time_s']:>8.0f} s step {m['step']:>4}: -> {m['generator_slots']} ({m['reason']})"
-        )
+        to = m["generator_slots"]
+        to = f"{to}/{m['judge_slots']}" if "judge_slots" in m else to
+        print(f"  {m['time_s']:>8.0f} s step {m['step']:>4}: -> {to} ({m['reason']})")
     return {
         "command": "elastic",
         **result,

@@ -22,9 +22,14 @@ A move is carried out as the real placement carries it out, at assumed costs
   go on in the rest of the pool, with the tokens they have), and the trainer restarts one
   slot larger at its next step boundary.
 
+With a judge (``asyncrl.sim.scoring``), some slots score the finished samples; a judge
+slot more is a generating slot fewer, drained at once, whose judge engines start
+(``engine_start_s``) before they take samples; one fewer gives its slot back to
+generation the same way. Neither restarts the trainer.
+
 The controller sees what the launcher's loop shows it (``asyncrl.launcher.elastic``): the
 trainer's idle share, ready batches and trained tokens/s over the latest ``window_s``,
-every ``tick_s``.
+every ``tick_s``; with a judge, also its queue (in batches) and busy share.
 """
 
 from __future__ import annotations
@@ -36,17 +41,19 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.elastic import Controller, Signals, StepRecord, signals
+from asyncrl.elastic import Controller, Move, Signals, StepRecord, signals
 from asyncrl.sim.buffer import SimBuffer
 from asyncrl.sim.gpu import (
     GpuSpec,
     Workload,
     engine_shape,
     gpu_params,
+    min_trainer_gpus,
     point_config,
 )
 from asyncrl.sim.model import length_factor
 from asyncrl.sim.processes import Simulation
+from asyncrl.sim.scoring import Judge, ScoringServer
 
 COSTS = (
     "decode_fixed_s",
@@ -101,6 +108,8 @@ class ClusterRun:
     """Seconds spent at each count of generating slots."""
     resize_s: float
     """Seconds the trainer spent restarting for moves."""
+    judge_busy: float | None = None
+    """The judge's busy share over the run (None: no judge)."""
 
     @property
     def trained_tokens_per_s(self) -> float:
@@ -109,8 +118,9 @@ class ClusterRun:
 
 class ElasticSimulation(Simulation):
     """The async placement on ``slots`` slots, ``generator_slots`` of them generating at
-    first; ``controller`` moves them (None: the split stays fixed; anything with a
-    ``cfg`` and ``decide`` as ``Controller`` has, such as the study's ``OneMove``)."""
+    first and ``judge.slots`` scoring (no judge: rewards cost nothing); ``controller``
+    moves them (None: the split stays fixed; anything with a ``cfg`` and ``decide`` as
+    ``Controller`` has, such as the study's ``OneMove``)."""
 
     tick_s = 30.0
     """How often the controller is shown the signals, as the launcher's loop does."""
@@ -126,13 +136,20 @@ class ElasticSimulation(Simulation):
         controller: Controller | None,
         max_staleness: int | None = 4,
         seed: int = 0,
+        judge: Judge | None = None,
     ) -> None:
         count, self.slot_gpus = slots
-        if not 1 <= generator_slots < count:
-            raise ValueError(f"generator_slots={generator_slots} must be within 1..{count - 1}")
+        self.judge_slots = judge.slots if judge else 0
+        if not 1 <= generator_slots < count - self.judge_slots:
+            raise ValueError(
+                f"generator_slots={generator_slots} must be within "
+                f"1..{count - self.judge_slots - 1} ({self.judge_slots} judge slots)"
+            )
         self.w, self.gpu, self.phases, self.costs = w, gpu, phases, costs
         self.controller = controller
-        self.gen_slots, self.train_slots = generator_slots, count - generator_slots
+        self.gen_slots = generator_slots
+        self.train_slots = count - generator_slots - self.judge_slots
+        self.fewest_training = math.ceil(min_trainer_gpus(w, gpu) / self.slot_gpus)
         self.tp, per_engine = engine_shape(w, gpu)
         params = gpu_params(w, gpu, self.train_slots * self.slot_gpus, self._nodes())
         params.filter_schedule = [(0, phases.drop_start), (phases.steps, phases.drop_end)]
@@ -140,6 +157,9 @@ class ElasticSimulation(Simulation):
         cfg = point_config(w, per_engine, self._engines(), max_staleness, False, phases.steps)
         cfg = dataclasses.replace(cfg, seed=seed)
         super().__init__(cfg, params, SimBuffer(cfg, params, random.Random(seed)))
+        if judge is not None:
+            self.server = ScoringServer(self, judge.verdict_tokens)
+            self._costs_now()
         self.pending = 0  # +1/-1: a move the trainer carries out at its next step boundary
         self.moving = False  # a move is under way (until the slot serves its new role)
         self.resize_s, self.moves = 0.0, []
@@ -162,9 +182,12 @@ class ElasticSimulation(Simulation):
         fresh = gpu_params(w, self.gpu, self.train_slots * self.slot_gpus, self._nodes())
         for name in COSTS:
             setattr(self.params, name, getattr(fresh, name))
-        gen = self.generators[0]
+        gen, per_engine = self.generators[0], engine_shape(w, self.gpu)[1]
         gen.replicas = self._engines()
-        gen.slots = engine_shape(w, self.gpu)[1] * gen.replicas
+        gen.slots = per_engine * gen.replicas
+        if self._judged():
+            engines = max(1, self.judge_slots * self.slot_gpus // self.tp)
+            self.server.judge.resize(engines, per_engine)
 
     def _set_generating(self, gen_slots: int) -> None:
         now = self.loop.now
@@ -220,21 +243,44 @@ class ElasticSimulation(Simulation):
     def _moved(self) -> None:
         self.moving = False
 
-    def _move(self, delta: int, reason: str, s: Signals) -> None:
-        self.moves.append(
-            {
-                "time_s": round(self.loop.now, 1),
-                "step": self.trainer.step,
-                "generator_slots": self.gen_slots + delta,
-                "reason": reason,
-                "trainer_idle": round(s.trainer_idle, 3),
-                "ready_batches": round(s.ready_batches, 2),
-                "trained_tokens_per_s": round(s.trained_tokens_per_s),
-            }
-        )
-        self.pending, self.moving = delta, True
-        if delta < 0:  # drained now: their sequences go on in the rest of the pool
-            self._set_generating(self.gen_slots + delta)
+    def _move(self, move: Move, s: Signals) -> None:
+        judging = move.role == "rewards"
+        generating = self.gen_slots - move.delta if judging else self.gen_slots + move.delta
+        record = {
+            "time_s": round(self.loop.now, 1),
+            "step": self.trainer.step,
+            "generator_slots": generating,
+            "reason": move.reason,
+            "trainer_idle": round(s.trainer_idle, 3),
+            "ready_batches": round(s.ready_batches, 2),
+            "trained_tokens_per_s": round(s.trained_tokens_per_s),
+        }
+        if self._judged():
+            record["role"] = move.role
+            record["judge_slots"] = self.judge_slots + (move.delta if judging else 0)
+            record["judge_queue_batches"] = round(s.reward_queue, 2)
+            record["judge_busy"] = round(s.reward_busy, 3)
+        self.moves.append(record)
+        self.moving = True
+        if judging:  # the slot leaving its role is drained now; the other starts engines
+            if move.delta > 0:
+                self._set_generating(self.gen_slots - move.delta)
+                self.loop.after(self.costs.engine_start_s, self._judges_in, move.delta)
+            else:
+                self._set_judging(self.judge_slots + move.delta)
+                self.loop.after(self.costs.engine_start_s, self._engines_in, -move.delta)
+            return
+        self.pending = move.delta
+        if move.delta < 0:  # drained now: their sequences go on in the rest of the pool
+            self._set_generating(self.gen_slots + move.delta)
+
+    def _set_judging(self, judge_slots: int) -> None:
+        self.judge_slots = judge_slots
+        self._costs_now()
+
+    def _judges_in(self, added: int) -> None:
+        self._set_judging(self.judge_slots + added)
+        self._moved()
 
     def _tick(self) -> None:
         """What the launcher's loop does every check: the window's signals to the
@@ -243,6 +289,7 @@ class ElasticSimulation(Simulation):
             return
         now, window = self.loop.now, self.controller.cfg.window_s
         self.ready.append((now, len(self.buffer.ready) / self.cfg.prompts_per_batch))
+        judged = self.server.judge.observe(window) if self._judged() else None
         for kept in (self.steps, self.ready):
             while kept and kept[0][0] < now - window:
                 kept.popleft()
@@ -251,10 +298,27 @@ class ElasticSimulation(Simulation):
             ready = sum(r for _, r in self.ready) / len(self.ready)
             steps = [step for _, step in self.steps]
             s = signals(self.gen_slots, steps, ready, self.train_slots)
+            if judged is not None:
+                batch = self.cfg.prompts_per_batch * self.cfg.samples_per_prompt
+                queue, busy = judged[0] / batch, judged[1]
+                s = s._replace(
+                    reward_servers=self.judge_slots, reward_queue=queue, reward_busy=busy
+                )
+                self._bound_controller()
             move = self.controller.decide(now, s)
             if move is not None:
-                self._move(move.delta, move.reason, s)
+                self._move(move, s)
         self.loop.after(self.tick_s, self._tick)
+
+    def _bound_controller(self) -> None:
+        """The controller's bounds: the slots each role can take from another now (a
+        judge slot comes from generation; training keeps the slots its memory needs)."""
+        self.controller.cfg = dataclasses.replace(
+            self.controller.cfg,
+            max_generators=self.gen_slots + self.train_slots - self.fewest_training,
+            min_reward_servers=1,
+            max_reward_servers=self.judge_slots + self.gen_slots - 1,
+        )
 
     def run_to_end(self) -> ClusterRun:
         """The run to ``phases.steps`` trainer steps, its books checked."""
@@ -272,4 +336,12 @@ class ElasticSimulation(Simulation):
             moves=self.moves,
             seconds_at=dict(sorted(self.seconds_at.items())),
             resize_s=self.resize_s,
+            judge_busy=self._judge_busy(),
         )
+
+    def _judge_busy(self) -> float | None:
+        return self.server.judge.busy_share() if self._judged() else None
+
+    def _judged(self) -> bool:
+        """Whether a judge scores the samples (rewards cost compute)."""
+        return isinstance(self.server, ScoringServer)

@@ -14,23 +14,31 @@ from typing import Any
 from asyncrl.elastic import Controller, ElasticConfig, Move, Signals
 from asyncrl.sim.elastic import ClusterRun, ElasticSimulation, MoveCosts, Phases
 from asyncrl.sim.gpu import GpuSpec, Workload, min_trainer_gpus
+from asyncrl.sim.scoring import Judge
+
+Split = tuple[int, int]
+"""(generating, judging) slots; judging 0 where rewards cost nothing."""
 
 
 class OneMove:
-    """A stand-in for the controller that moves to ``split`` generating slots the first
-    time it is shown signals and never again: what a controller that must look before it
-    moves could at best do from its start, had it been told the best fixed split."""
+    """A stand-in for the controller that moves to ``split`` the first time it is shown
+    signals and never again (a judge's slots first, then the generators', a move each):
+    what a controller that must look before it moves could at best do from its start,
+    had it been told the best fixed split."""
 
-    def __init__(self, cfg: ElasticConfig, split: int) -> None:
-        self.cfg, self.split, self.moved = cfg, split, False
+    def __init__(self, cfg: ElasticConfig, split: Split | int) -> None:
+        self.cfg, self.done = cfg, False
+        self.split = split if isinstance(split, tuple) else (split, 0)
 
     def decide(self, now: float, s: Signals) -> Move | None:
-        if self.moved or s.generators == self.split:
+        generating, judging = self.split
+        why = f"to the best fixed split at first sight ({now:.0f} s)"
+        if self.done:
             return None
-        self.moved = True
-        return Move(
-            self.split - s.generators, f"to the best fixed split at first sight ({now:.0f} s)"
-        )
+        if judging and s.reward_servers != judging:
+            return Move(judging - s.reward_servers, why, "rewards")
+        self.done = True
+        return Move(generating - s.generators, why) if s.generators != generating else None
 
 
 def study(
@@ -43,30 +51,46 @@ def study(
     max_staleness: int | None = 4,
     seed: int = 0,
     compared: Sequence[int] = (),
+    judge: Judge | None = None,
+    judge_slots: Sequence[int] = (),
 ) -> dict[str, Any]:
     """Every fixed split the trainer's memory allows (or those of them in ``compared``:
     a long run's study can skip the splits far from the best), and the elastic placement
     started from an even split (it is not told which split is best): time to finish the
     run and trained tokens/s of each. Beside them, ``OneMove`` from the same start to the
-    best fixed split."""
+    best fixed split. With a ``judge``, each split of generation also at each count of
+    ``judge_slots`` (default: the judge's own), the elastic run starting at the judge's."""
+    if judge_slots and judge is None:
+        raise ValueError(f"judge_slots={list(judge_slots)} without a judge to put on them")
     count, slot_gpus = slots
     fewest_training = math.ceil(min_trainer_gpus(w, gpu) / slot_gpus)
-    splits = range(1, count - fewest_training + 1)
-    if impossible := sorted(set(compared) - set(splits)):
-        raise ValueError(f"splits {impossible} are not possible here: {list(splits)} are")
+    judging = (judge_slots or (judge.slots,)) if judge else (0,)
+    splits = [(g, j) for j in judging for g in range(1, count - fewest_training - j + 1)]
+    possible = {g for g, _ in splits}
+    if impossible := sorted(set(compared) - possible):
+        raise ValueError(
+            f"splits {impossible} are not possible here: {sorted(possible)} are "
+            f"(judge slots {list(judging)})"
+        )
+    # each compared split at every count of judge slots that leaves the trainer room
+    placements = [split for split in splits if not compared or split[0] in compared]
+    start_judging = judge.slots if judge else 0
+    most = count - fewest_training - start_judging
     elastic = dataclasses.replace(
-        elastic, min_generators=1, max_generators=splits[-1], move_cost_s=costs.resize_s
+        elastic, min_generators=1, max_generators=most, move_cost_s=costs.resize_s
     )
 
-    def run(generating: int, controller: Controller | OneMove | None) -> ClusterRun:
+    def run(split: Split, controller: Controller | OneMove | None) -> ClusterRun:
+        generating, judges = split
+        at = dataclasses.replace(judge, slots=judges) if judge else None
         return ElasticSimulation(
-            w, gpu, slots, generating, phases, costs, controller, max_staleness, seed
+            w, gpu, slots, generating, phases, costs, controller, max_staleness, seed, at
         ).run_to_end()
 
-    fixed = {g: run(g, None) for g in compared or splits}
-    start = min(splits[-1], max(1, count // 2))
+    fixed = {split: run(split, None) for split in placements}
+    start = (min(most, max(1, (count - start_judging) // 2)), start_judging)
     adaptive = run(start, Controller(elastic))
-    best = min(fixed, key=lambda g: fixed[g].time_s)
+    best = min(fixed, key=lambda split: fixed[split].time_s)
     one_move = run(start, OneMove(elastic, best))
     return {
         "gpus": count * slot_gpus,
@@ -74,29 +98,41 @@ def study(
         "slot_gpus": slot_gpus,
         **_figures(fixed, best, start, adaptive, one_move),
         "controller": dataclasses.asdict(elastic),
+        **({"judge": dataclasses.asdict(judge)} if judge else {}),
     }
 
 
+def _key(split: Split) -> str:
+    """A split as the JSON names it: "G" generating slots, or "G/J" with J judging."""
+    generating, judging = split
+    return f"{generating}/{judging}" if judging else str(generating)
+
+
 def _figures(
-    fixed: dict[int, ClusterRun], best: int, start: int, adaptive: ClusterRun, one: ClusterRun
+    fixed: dict[Split, ClusterRun], best: Split, start: Split, adaptive: ClusterRun, one: ClusterRun
 ) -> dict[str, Any]:
     """The study's runs as its JSON reports them."""
     best_s, worst_s = fixed[best].time_s, max(r.time_s for r in fixed.values())
+    judged = {"judge_busy": adaptive.judge_busy} if adaptive.judge_busy is not None else {}
     return {
         "fixed": {
-            str(g): {
+            _key(split): {
                 "time_s": round(r.time_s),
                 "trained_tokens_per_s": round(r.trained_tokens_per_s),
+                **({"judge_busy": round(r.judge_busy, 3)} if r.judge_busy is not None else {}),
             }
-            for g, r in fixed.items()
+            for split, r in fixed.items()
         },
-        "best_fixed_generator_slots": best,
+        "best_fixed_generator_slots": best[0],
+        **({"best_fixed_judge_slots": best[1]} if best[1] else {}),
         "elastic": {
-            "start_generator_slots": start,
+            "start_generator_slots": start[0],
+            **({"start_judge_slots": start[1]} if start[1] else {}),
             "time_s": round(adaptive.time_s),
             "trained_tokens_per_s": round(adaptive.trained_tokens_per_s),
             "resize_s": adaptive.resize_s,
             "seconds_at": {str(k): round(v) for k, v in adaptive.seconds_at.items()},
+            **judged,
             "moves": adaptive.moves,
         },
         "one_move_to_best": {
