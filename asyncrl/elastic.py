@@ -12,8 +12,9 @@ The rule, one move at a time:
 - the trainer waits for batches (its idle share above ``trainer_idle_high``) while
   finished samples queue for a reward server (``reward_backlog`` batches or more):
   scoring is the bottleneck, so one reward server more;
-- reward servers score less than ``reward_busy_low`` of their time with nothing much
-  queued: one fewer;
+- reward servers would score less than ``reward_busy_low`` of their time with one
+  fewer (their busy share now, shared by one server less), with nothing much queued:
+  one fewer;
 - the trainer waits for batches otherwise: generation is the bottleneck, so one
   generator more, or up to ``max_step`` more toward the split where generation would
   keep the trainer busy (``balanced``);
@@ -94,8 +95,8 @@ class ElasticConfig:
     """Samples waiting for a reward server, in batches, from which the trainer's wait is
     put down to scoring rather than generation."""
     reward_busy_low: float = 0.3
-    """Reward servers scoring less than this share of their time, with less than
-    ``reward_backlog`` queued, give one back."""
+    """Reward servers that would score less than this share of their time with one
+    fewer, with less than ``reward_backlog`` queued, give one back."""
 
     def check(self, generators: int, reward_servers: int = 0) -> None:
         """Refuse settings that cannot work (``ValueError`` naming the keys)."""
@@ -308,12 +309,14 @@ class Controller:
                 "rewards",
             )
             return  # the same: scoring holds the trainer up, not generation
-        idle_scorers = s.reward_busy < cfg.reward_busy_low and not scoring_behind
+        # The servers left would take the work of the one given back.
+        left = s.reward_busy * s.reward_servers / max(s.reward_servers - 1, 1)
+        idle_scorers = left < cfg.reward_busy_low and not scoring_behind
         if s.reward_servers > cfg.min_reward_servers and idle_scorers:
             yield Move(
                 -1,
-                f"reward servers busy {s.reward_busy:.0%} < {cfg.reward_busy_low:.0%} "
-                "of their time",
+                f"reward servers busy {s.reward_busy:.0%}, {left:.0%} on one fewer < "
+                f"{cfg.reward_busy_low:.0%} of their time",
                 "rewards",
             )
         if s.trainer_idle > cfg.trainer_idle_high and s.generators < cfg.max_generators:

@@ -242,7 +242,9 @@ def test_reward_servers_that_idle_give_one_back_and_an_undo_blocks_that_role_onl
     idle = idle._replace(reward_servers=2, reward_queue=0.0, reward_busy=0.1)
     [(at, down)] = feed(c, 0, 30, idle)
     assert (down.delta, down.role) == (-1, "rewards")
-    assert "reward servers busy 10% < 30%" in down.reason
+    assert "reward servers busy 10%, 20% on one fewer < 30%" in down.reason
+    # Busy 20% of their time: one fewer would be busy 40%, so both stay.
+    assert feed(Controller(CFG), 0, 30, idle._replace(reward_busy=0.2)) == []
     # Training fell with it: undone, and reward servers are not given back for a while...
     fell = idle._replace(reward_servers=1, reward_busy=0.9, trained_tokens_per_s=80.0)
     [(_, undo)] = feed(c, at + 5, at + CFG.dwell_s, fell)
