@@ -23,11 +23,10 @@ import pytest
 import torch
 
 from asyncrl.chat_tokenizers import save_tokenizer, small_tokenizer
-from asyncrl.engine.servers import die_with_parent
 from asyncrl.random_models import generation_config, random_init_model
 from asyncrl.shapes import SHAPES, hf_config, miniature
 
-from .sglang_client import free_port, wait_healthy
+from .sglang_client import free_port, start_server, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV_SCRIPT = ROOT / "tools" / "vllm_server_env.sh"
@@ -113,16 +112,7 @@ def vllm_server(model_dir: str, log_dir: Path, *flags: str) -> Iterator[str]:
     port = free_port()
     log_path = log_dir / f"vllm-{Path(model_dir).name}-{port}.log"
     cmd = ["bash", str(ENV_SCRIPT), "serve", model_dir, str(port), "--max-model-len", "512"]
-    with open(log_path, "w") as log:
-        # Its own group, so that stop() reaches its engine core; and a death signal, so
-        # that a suite killed before stop() does not leave a server behind.
-        proc = subprocess.Popen(
-            [*cmd, *flags],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=die_with_parent,
-        )
+    proc = start_server([*cmd, *flags], log_path)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, log_path, timeout=400)

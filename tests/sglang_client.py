@@ -21,6 +21,8 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from asyncrl.engine.servers import die_with_parent
+
 
 @dataclass
 class Server:
@@ -29,6 +31,20 @@ class Server:
     model_dir: str
     logprob_atol: float
     """sglang computes in reduced precision; the embedded server in float32."""
+
+
+def start_server(cmd: list[str], log_path: Path) -> subprocess.Popen:
+    """``cmd`` logging to ``log_path``, in its own process group (so that a stop reaches
+    every process it starts) and with a death signal (so that a suite killed before the
+    stop leaves no server behind)."""
+    with open(log_path, "w") as log:
+        return subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
 
 
 def free_port() -> int:

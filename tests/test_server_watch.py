@@ -15,9 +15,8 @@ import pytest
 
 from asyncrl.engine.base import Request, SamplingParams, ServerFailed
 from asyncrl.engine.remote import RemoteEngine
-from asyncrl.engine.servers import die_with_parent
 
-from .sglang_client import free_port, wait_healthy
+from .sglang_client import free_port, start_server, wait_healthy
 from .test_remote_engine import ROOT, drain, post, remote_config
 
 
@@ -26,14 +25,7 @@ def front(model_dir: str, log_dir) -> tuple[subprocess.Popen, str]:
     port, log_path = free_port(), log_dir / "front.log"
     cmd = [sys.executable, "-m", "asyncrl.serving.serve", "--model", model_dir]
     cmd += ["--port", str(port), "--max-slots", "8", "--max-seq-len", "128", "--threads", "1"]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=die_with_parent,
-        )
+    proc = start_server(cmd, log_path)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc, log_path, timeout=120)
     return proc, url

@@ -26,13 +26,12 @@ import time
 import pytest
 import torch
 
-from asyncrl.engine.servers import die_with_parent
 from asyncrl.engine.vllm_requests import check_version, parse_version
 from asyncrl.logprobs import token_logprobs
 from asyncrl.models import ModelConfig, load_model
 
 from .real_vllm import own_weights_dir, real_vllm
-from .sglang_client import Api, Server, free_port, run, wait_healthy
+from .sglang_client import Api, Server, free_port, run, start_server, wait_healthy
 from .test_remote_engine import perturbed_weights
 
 PROMPT = [3, 4, 5]  # greedy runs past 12 tokens without EOS on the tiny model
@@ -55,15 +54,7 @@ def server(request, vllm_models, tmp_path_factory):
         return
     log_dir = tmp_path_factory.mktemp("server")
     port, log_path = free_port(), log_dir / f"{kind}.log"
-    with open(log_path, "w") as log:
-        cmd = front(model_dir, port, kind.removeprefix("front-"))
-        proc = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=die_with_parent,
-        )
+    proc = start_server(front(model_dir, port, kind.removeprefix("front-")), log_path)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc, log_path, timeout=120)
     yield Server(kind, url, model_dir, 1e-4)
