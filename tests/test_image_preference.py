@@ -23,6 +23,7 @@ from asyncrl.image.check import judge
 from asyncrl.image.model import ImageModelConfig, ImagePolicy, to_pixels
 from asyncrl.image.pairs import PicturePairs, make_pairs, mirrored, rejudged
 from asyncrl.image.render import draw
+from asyncrl.image.sample import generate_batched
 from asyncrl.image.scenes import BACKGROUND, all_scenes, sample_scenes
 from asyncrl.image.scorer import (
     ConvReader,
@@ -230,3 +231,17 @@ def test_a_stage_whose_loss_turns_non_finite_stops_naming_the_step(tmp_path):
         out.stdout + out.stderr
     )
     assert not (tmp_path / "rm").exists()
+
+
+def test_pictures_drawn_in_batches_are_those_drawn_alone():
+    """``generate_batched``'s batches are for memory only: each picture comes from its own
+    seed's noise, so batches of 3 give the pictures of one batch of all, bit for bit."""
+    torch.manual_seed(0)
+    policy = ImagePolicy(SMALL).eval()
+    prompts = [s.prompt for s in sample_scenes(5, held_out=False, seed=0)]
+    seeds = [11, 12, 13, 14, 15]
+    drawn: list[int] = []
+    batched = generate_batched(policy, prompts, seeds, 3, 3.0, batch=3, progress=drawn.append)
+    whole = generate_batched(policy, prompts, seeds, 3, 3.0, batch=5)
+    assert drawn == [3, 5] and batched.shape == (5, *whole.shape[1:])
+    assert torch.equal(batched, whole)

@@ -29,11 +29,8 @@ from compare_policies import sign_test  # noqa: E402
 
 from asyncrl.image.check import judge  # noqa: E402
 from asyncrl.image.model import ImagePolicy  # noqa: E402
-from asyncrl.image.sample import generate  # noqa: E402
+from asyncrl.image.sample import generate_batched  # noqa: E402
 from asyncrl.image.scenes import CATEGORIES, Scene, split  # noqa: E402
-
-BATCH = 64
-"""Pictures sampled at once (memory, not results: each picture's noise is its own seed's)."""
 
 
 def successes(
@@ -42,12 +39,8 @@ def successes(
     """Whether each ODE picture of ``scenes[i]`` from ``seeds[i]`` passes every check."""
     policy = ImagePolicy.load(path)
     policy.eval()
-    out: list[bool] = []
-    for i in range(0, len(scenes), BATCH):
-        part = scenes[i : i + BATCH]
-        images = generate(policy, [s.prompt for s in part], seeds[i : i + BATCH], steps, shift)
-        out += [judge(img.numpy(), s).success for s, img in zip(part, images)]
-    return out
+    images = generate_batched(policy, [s.prompt for s in scenes], seeds, steps, shift)
+    return [judge(img.numpy(), s).success for s, img in zip(scenes, images)]
 
 
 def paired(cats: list[str], a: list[bool], b: list[bool]) -> dict[str, dict[str, float]]:

@@ -31,11 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from asyncrl.image.check import blobs, judge, judge_blobs
 from asyncrl.image.model import ImagePolicy
-from asyncrl.image.sample import generate
+from asyncrl.image.sample import generate_batched
 from asyncrl.image.scenes import Scene, held_out_prompt, split
 
 log = logging.getLogger(__name__)
@@ -115,15 +114,15 @@ def make_pairs(
     policy.eval()
     prompts = [s.prompt for s in scenes for _ in range(per_prompt)]
     seeds = [seed + i for i in range(len(prompts))]
-    parts, start = [], time.monotonic()
-    said = start
-    for i in range(0, len(prompts), batch):
-        parts.append(generate(policy, prompts[i : i + batch], seeds[i : i + batch], steps, shift))
+    start = said = time.monotonic()
+
+    def progress(done: int) -> None:
+        nonlocal said
         if time.monotonic() - said >= PROGRESS_EVERY_S:
             said = time.monotonic()
-            done = min(i + batch, len(prompts))
             log.info("%d of %d pictures drawn for pairs (%.0f s)", done, len(prompts), said - start)
-    pictures = torch.cat(parts).numpy()
+
+    pictures = generate_batched(policy, prompts, seeds, steps, shift, batch, progress).numpy()
     policy.train(was_training)
     out: dict[str, list] = {k: [] for k in ("prompts", "chosen", "rejected", "cs", "rs")}
     for i, scene in enumerate(scenes):

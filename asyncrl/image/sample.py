@@ -9,6 +9,8 @@ PNG and show in TensorBoard's image tab.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -48,6 +50,26 @@ def generate(
         else:
             x, _ = sde_step(x, v, t, t_next, noise_level, grid[1], generator=noise)
     return to_images(x)
+
+
+def generate_batched(
+    policy: ImagePolicy,
+    prompts: list[str],
+    seeds: list[int],
+    steps: int,
+    shift: float,
+    batch: int = 64,
+    progress: Callable[[int], None] | None = None,
+) -> torch.Tensor:
+    """ODE pictures [N, SIZE, SIZE, 3] uint8 of ``prompts``, ``batch`` at a time (for
+    memory: each picture's noise is its own seed's, so batching does not change it);
+    ``progress`` is told how many are drawn after each batch."""
+    parts = []
+    for i in range(0, len(prompts), batch):
+        parts.append(generate(policy, prompts[i : i + batch], seeds[i : i + batch], steps, shift))
+        if progress is not None:
+            progress(min(i + batch, len(prompts)))
+    return torch.cat(parts)
 
 
 def picture_grid(images: torch.Tensor | np.ndarray, columns: int, scale: int = 4) -> np.ndarray:
