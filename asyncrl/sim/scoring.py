@@ -70,7 +70,8 @@ class JudgePool:
     def busy_share(self) -> float:
         """Share of the slot-seconds held so far that held a sample."""
         held = self.held()
-        return self.used_s / held if held > 0 else 0.0
+        # a shrunk pool runs over its slots until its verdicts end: at most all of them
+        return min(1.0, self.used_s / held) if held > 0 else 0.0
 
     def observe(self, window_s: float) -> tuple[float, float]:
         """Samples waiting (a mean over the checks of the latest ``window_s``, this one
@@ -81,7 +82,7 @@ class JudgePool:
             self.seen.popleft()
         queued = sum(q for _, q, _, _ in self.seen) / len(self.seen)
         (_, _, used0, held0), (_, _, used1, held1) = self.seen[0], self.seen[-1]
-        return queued, (used1 - used0) / (held1 - held0) if held1 > held0 else 0.0
+        return queued, min(1.0, (used1 - used0) / (held1 - held0)) if held1 > held0 else 0.0
 
     def submit(self, samples: list[SimSample]) -> None:
         self.queue.extend(samples)
