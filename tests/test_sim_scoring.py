@@ -51,6 +51,12 @@ def generator_moves(moves: list[dict]) -> int:
     return sum(1 for m in moves if m["role"] == "generators")
 
 
+def test_a_judge_with_no_slot_or_no_verdict_is_refused():
+    for judge in (Judge(verdict_tokens=64, slots=0), Judge(verdict_tokens=0, slots=1)):
+        with pytest.raises(ValueError, match="at least one slot and writes a token"):
+            run(4, judge)
+
+
 def test_a_judge_that_holds_the_trainer_up_takes_a_slot_from_generation():
     """Long verdicts on one judge slot: samples queue for it while the trainer waits, so
     the controller moves a generating slot to the judge (the trainer does not restart

@@ -140,6 +140,8 @@ class ElasticSimulation(Simulation):
     ) -> None:
         count, self.slot_gpus = slots
         self.judge_slots = judge.slots if judge else 0
+        if judge is not None and (judge.slots < 1 or judge.verdict_tokens < 1):
+            raise ValueError(f"{judge}: a judge holds at least one slot and writes a token")
         if not 1 <= generator_slots < count - self.judge_slots:
             raise ValueError(
                 f"generator_slots={generator_slots} must be within "

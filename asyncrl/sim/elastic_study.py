@@ -79,6 +79,10 @@ def study(
     elastic = dataclasses.replace(
         elastic, min_generators=1, max_generators=most, move_cost_s=costs.resize_s
     )
+    if judge:  # the most it could hold; each run narrows it to what generation can give
+        elastic = dataclasses.replace(
+            elastic, min_reward_servers=1, max_reward_servers=count - fewest_training - 1
+        )
 
     def run(split: Split, controller: Controller | OneMove | None) -> ClusterRun:
         generating, judges = split
