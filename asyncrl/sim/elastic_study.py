@@ -60,20 +60,9 @@ def study(
     run and trained tokens/s of each. Beside them, ``OneMove`` from the same start to the
     best fixed split. With a ``judge``, each split of generation also at each count of
     ``judge_slots`` (default: the judge's own), the elastic run starting at the judge's."""
-    if judge_slots and judge is None:
-        raise ValueError(f"judge_slots={list(judge_slots)} without a judge to put on them")
     count, slot_gpus = slots
     fewest_training = math.ceil(min_trainer_gpus(w, gpu) / slot_gpus)
-    judging = (judge_slots or (judge.slots,)) if judge else (0,)
-    splits = [(g, j) for j in judging for g in range(1, count - fewest_training - j + 1)]
-    possible = {g for g, _ in splits}
-    if impossible := sorted(set(compared) - possible):
-        raise ValueError(
-            f"splits {impossible} are not possible here: {sorted(possible)} are "
-            f"(judge slots {list(judging)})"
-        )
-    # each compared split at every count of judge slots that leaves the trainer room
-    placements = [split for split in splits if not compared or split[0] in compared]
+    placements = _placements(count, fewest_training, compared, judge, judge_slots)
     start_judging = judge.slots if judge else 0
     most = count - fewest_training - start_judging
     elastic = dataclasses.replace(
@@ -104,6 +93,28 @@ def study(
         "controller": dataclasses.asdict(elastic),
         **({"judge": dataclasses.asdict(judge)} if judge else {}),
     }
+
+
+def _placements(
+    count: int,
+    fewest_training: int,
+    compared: Sequence[int],
+    judge: Judge | None,
+    judge_slots: Sequence[int],
+) -> list[Split]:
+    """The fixed splits to run: each compared count of generating slots (all, if none) at
+    every count of judge slots that leaves the trainer the slots its memory needs."""
+    if judge_slots and judge is None:
+        raise ValueError(f"judge_slots={list(judge_slots)} without a judge to put on them")
+    judging = (judge_slots or (judge.slots,)) if judge else (0,)
+    splits = [(g, j) for j in judging for g in range(1, count - fewest_training - j + 1)]
+    possible = {g for g, _ in splits}
+    if impossible := sorted(set(compared) - possible):
+        raise ValueError(
+            f"splits {impossible} are not possible here: {sorted(possible)} are "
+            f"(judge slots {list(judging)})"
+        )
+    return [split for split in splits if not compared or split[0] in compared]
 
 
 def _key(split: Split) -> str:
