@@ -14,7 +14,9 @@ The rule, one move at a time:
   scoring is the bottleneck, so one reward server more;
 - reward servers would score less than ``reward_busy_low`` of their time with one
   fewer (their busy share now, shared by one server less), with nothing much queued:
-  one fewer;
+  one fewer, but not within ``retry_dwells`` dwells of taking one (a batching server's
+  busy share swings with the bursts it is sent, and giving back at the first quiet look
+  takes it again at the next burst);
 - the trainer waits for batches otherwise: generation is the bottleneck, so one
   generator more, or up to ``max_step`` more toward the split where generation would
   keep the trainer busy (``balanced``);
@@ -40,6 +42,10 @@ The rule, one move at a time:
 The gap between the two idle thresholds, the dwell and the undo rule keep it from
 thrashing: at most one move per dwell, and a move that does not pay is not repeated
 at once.
+
+Why one file: the rule above is the controller's settings (``ElasticConfig``), what it
+reads (``Signals``) and how it decides (``Controller``), each stated in the others'
+terms; they change together and are read side by side.
 """
 
 from __future__ import annotations
@@ -75,7 +81,8 @@ class ElasticConfig:
     """A generator more is undone unless trained tokens/s rose by this share over their
     trend; one fewer is undone if they fell by as much."""
     retry_dwells: int = 3
-    """Dwells before a direction that was undone is tried again."""
+    """Dwells before a direction that was undone is tried again, and before a reward
+    server taken is given back."""
     move_cost_s: float = 0.0
     """Seconds of training a move of shared slots costs (the trainer's checkpoint and
     restart on its new slot count). A move is made only if the most it could gain over a
@@ -348,6 +355,9 @@ class Controller:
         if judge:
             before = self.seen[-1][1]
             self.judging = (move, before, self._trend(), now)
+            if move.role == "rewards":  # its reverse waits too (see ``reward_busy_low``)
+                reverse = _direction(move._replace(delta=-move.delta))
+                self.blocked_until[reverse] = now + self.cfg.retry_dwells * self.cfg.dwell_s
         self.last_move_at = now
         return move
 

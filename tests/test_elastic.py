@@ -236,6 +236,22 @@ def test_a_trainer_waiting_on_scoring_gets_a_reward_server_not_a_generator():
     assert feed(c, at + 5, at + 300, at_max) == []
 
 
+def test_a_reward_server_taken_for_a_queue_is_not_given_back_for_some_dwells():
+    """Busy shares of batching servers swing with the bursts they are sent: a server
+    taken for a queue and kept is not given back at the next quiet look (that
+    alternated on the simulator's judge), only ``retry_dwells`` dwells later."""
+    c = Controller(CFG)
+    s = Signals(1, trained_tokens_per_s=100.0, reward_busy=1.0, **SCORING_BEHIND)
+    [(at, up)] = feed(c, 0, 30, s)
+    assert (up.role, up.delta) == ("rewards", 1)
+    quiet = Signals(1, trainer_idle=0.1, ready_batches=0.0, trained_tokens_per_s=120.0)
+    quiet = quiet._replace(reward_servers=2, reward_queue=0.0, reward_busy=0.05)
+    wait = CFG.retry_dwells * CFG.dwell_s
+    assert feed(c, at + 5, at + wait - 5, quiet) == []  # kept (+20%), and not given back
+    [(_, down)] = feed(c, at + wait, at + wait + 5, quiet)
+    assert (down.role, down.delta) == ("rewards", -1)
+
+
 def test_reward_servers_that_idle_give_one_back_and_an_undo_blocks_that_role_only():
     c = Controller(CFG)
     idle = Signals(2, trainer_idle=0.1, ready_batches=0.0, trained_tokens_per_s=100.0)
