@@ -14,9 +14,10 @@ The rule, one move at a time:
   scoring is the bottleneck, so one reward server more;
 - reward servers would score less than ``reward_busy_low`` of their time with one
   fewer (their busy share now, shared by one server less), with nothing much queued:
-  one fewer, but not within ``retry_dwells`` dwells of taking one (a batching server's
-  busy share swings with the bursts it is sent, and giving back at the first quiet look
-  takes it again at the next burst);
+  one fewer;
+- a reward move that was kept (not undone) is not reversed within ``retry_dwells``
+  dwells: a batching server's busy share swings with the bursts it is sent, and a
+  server given back at the first quiet look is taken again at the next burst;
 - the trainer waits for batches otherwise: generation is the bottleneck, so one
   generator more, or up to ``max_step`` more toward the split where generation would
   keep the trainer busy (``balanced``);
@@ -82,7 +83,7 @@ class ElasticConfig:
     trend; one fewer is undone if they fell by as much."""
     retry_dwells: int = 3
     """Dwells before a direction that was undone is tried again, and before a reward
-    server taken is given back."""
+    move that was kept is reversed."""
     move_cost_s: float = 0.0
     """Seconds of training a move of shared slots costs (the trainer's checkpoint and
     restart on its new slot count). A move is made only if the most it could gain over a
@@ -355,7 +356,7 @@ class Controller:
         if judge:
             before = self.seen[-1][1]
             self.judging = (move, before, self._trend(), now)
-            if move.role == "rewards":  # its reverse waits too (see ``reward_busy_low``)
+            if move.role == "rewards":  # kept, its reverse waits as an undone move's repeat
                 reverse = _direction(move._replace(delta=-move.delta))
                 self.blocked_until[reverse] = now + self.cfg.retry_dwells * self.cfg.dwell_s
         self.last_move_at = now
