@@ -5,6 +5,7 @@ gives, while servers are frozen and killed mid-batch, drained, and started anew.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -81,11 +82,20 @@ def _settle(dispatch: RewardDispatch, got: dict, seconds: float) -> None:
     _collect(dispatch, got, lambda: time.monotonic() > end)
 
 
-def _freeze_holding_a_batch(dispatch, got, proc, worker_id: str) -> None:
+def _freeze_holding_a_batch(dispatch, got, proc, worker_id: str, more) -> None:
     """SIGSTOP ``proc`` while it holds a batch: an answer sent just before the stop has
-    half a second to arrive, and if it did, the server is let go and caught again."""
+    half a second to arrive, and if it did, the server is let go and caught again. With
+    nothing left to score there is no batch to hold: ``more()`` sends some."""
+
+    def holds() -> bool:
+        if _holds_a_batch(dispatch, worker_id):
+            return True
+        if dispatch.pending() == 0:
+            more()
+        return False
+
     for _ in range(20):
-        _collect(dispatch, got, lambda: _holds_a_batch(dispatch, worker_id))
+        _collect(dispatch, got, holds)
         proc.send_signal(signal.SIGSTOP)
         _settle(dispatch, got, 0.5)
         if _holds_a_batch(dispatch, worker_id):
@@ -102,15 +112,19 @@ def test_reward_servers_score_every_sequence_once_through_kills_and_drains(tmp_p
     expected = {i: score_sequences(rm, [s], 0)[0] for i, s in enumerate(seqs)}
     got: dict[int, float] = {}
     procs = {w: _server(path, w, tmp_path) for w in ("r0", "r1")}
-    try:
-        for i, s in enumerate(seqs[:120]):
+    unsent = iter(enumerate(seqs))
+
+    def send(n: int) -> None:
+        for i, s in itertools.islice(unsent, n):
             dispatch.submit(i, s)
+
+    try:
+        send(120)
         # r0 frozen while it holds a batch, then killed: its batch must go to another.
         _collect(dispatch, got, lambda: len(got) >= 8)
-        _freeze_holding_a_batch(dispatch, got, procs["r0"], "r0")
+        _freeze_holding_a_batch(dispatch, got, procs["r0"], "r0", lambda: send(8))
         procs["r0"].kill()
-        for i, s in enumerate(seqs[120:], start=120):
-            dispatch.submit(i, s)
+        send(len(seqs))  # the rest
         _collect(dispatch, got, lambda: len(got) >= 160)
         # r1 drained while it works; r2 joins and scores the rest.
         procs["r1"].send_signal(signal.SIGUSR1)
