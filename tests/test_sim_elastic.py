@@ -88,13 +88,14 @@ def test_the_study_compares_the_controller_with_every_fixed_split():
         study(SMALL, GpuSpec(), (4, 8), PHASES, COSTS, CONTROL, compared=(3, 4))
 
 
-def test_cli_elastic_ends_with_one_json_line():
+def elastic_cli(*extra: str) -> dict:
+    """``tools/simulate.py elastic`` on a small cluster and workload, with ``extra``
+    arguments: the JSON of its last line, once it has exited cleanly."""
     proc = subprocess.run(
         [
             *[sys.executable, "tools/simulate.py", "elastic", "--gpus", "32", "--slot-gpus", "8"],
             *["--steps", "20", "--batch", "32", "--samples", "4", "--response-mean", "128"],
-            *["--response-max", "1024", "--dwell-s", "60", "--window-s", "30"],
-            *["--splits", "1-2"],
+            *["--response-max", "1024", "--dwell-s", "60", "--window-s", "30", *extra],
         ],
         cwd=ROOT,
         capture_output=True,
@@ -102,6 +103,10 @@ def test_cli_elastic_ends_with_one_json_line():
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_cli_elastic_ends_with_one_json_line():
+    result = elastic_cli("--splits", "1-2")
     assert result["command"] == "elastic" and set(result["fixed"]) == {"1", "2"}
     assert result["phases"]["steps"] == 20 and "assumptions" in result["note"]

@@ -4,10 +4,6 @@ controller moves slots between it and generation. Small workloads: a run takes a
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -17,7 +13,8 @@ from asyncrl.sim.elastic_study import OneMove, study
 from asyncrl.sim.gpu import GpuSpec, Workload
 from asyncrl.sim.scoring import Judge, ScoringServer
 
-ROOT = Path(__file__).resolve().parents[1]
+from .test_sim_elastic import elastic_cli
+
 # Engines of 32 sequences: a batch of 512 samples can queue for a judge slot's 8 engines.
 SMALL = Workload(
     response_mean=256, response_max=2048, prompts_per_batch=64, samples_per_prompt=8, max_slots=32
@@ -106,18 +103,5 @@ def test_the_one_move_bound_moves_the_judge_then_the_generators_once():
 
 
 def test_cli_elastic_with_a_judge_ends_with_one_json_line():
-    proc = subprocess.run(
-        [
-            *[sys.executable, "tools/simulate.py", "elastic", "--gpus", "32", "--slot-gpus", "8"],
-            *["--steps", "20", "--batch", "32", "--samples", "4", "--response-mean", "128"],
-            *["--response-max", "1024", "--dwell-s", "60", "--window-s", "30"],
-            *["--verdict-tokens", "64", "--judge-slots", "1-2"],
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = elastic_cli("--verdict-tokens", "64", "--judge-slots", "1-2")
     assert set(result["fixed"]) == {"1/1", "2/1", "1/2"} and "judge_busy" in result["elastic"]
