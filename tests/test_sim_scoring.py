@@ -4,7 +4,6 @@ controller moves slots between it and generation. Small workloads: a run takes a
 
 from __future__ import annotations
 
-
 import pytest
 
 from asyncrl.elastic import Controller, ElasticConfig
