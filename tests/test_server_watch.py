@@ -17,7 +17,7 @@ from asyncrl.engine.base import Request, SamplingParams, ServerFailed
 from asyncrl.engine.remote import RemoteEngine
 
 from .sglang_client import free_port, start_server, wait_healthy
-from .test_remote_engine import ROOT, drain, post, remote_config
+from .test_remote_engine import ROOT, drain, perturbed_weights, post, remote_config
 
 
 def front(model_dir: str, log_dir) -> tuple[subprocess.Popen, str]:
@@ -122,6 +122,32 @@ def test_a_launched_server_that_dies_is_restarted_and_its_request_goes_on(tiny_m
         status = engine.status()
         assert status.metrics["engine/server_restarts"] == 1 and engine.urls == [url]
         assert status.metrics["engine/servers_down"] == 0
+    finally:
+        engine.close()
+
+
+def test_a_launched_server_dead_when_weights_come_is_restarted_and_gets_them(
+    tiny_model_dir, tmp_path
+):
+    """A server that dies while the engine has no request out is found by the weight
+    update that cannot reach it (no request would: it gets none while it waits for
+    weights): the engine starts it again, and the next announcement of those weights
+    brings them in."""
+    engine = RemoteEngine(tiny_model_dir, remote_config().remote, log_dir=tmp_path, name="g0")
+    try:
+        os.killpg(engine.servers[0].server.process.pid, signal.SIGKILL)
+        engine.servers[0].server.process.wait(timeout=30)
+        weights = perturbed_weights(tiny_model_dir, tmp_path / "v1")
+        engine.stage_weights(str(weights), 1)
+        deadline = time.monotonic() + 180
+        while (m := engine.status().metrics)["engine/server_restarts"] < 1 or m[
+            "engine/servers_down"
+        ]:
+            assert time.monotonic() < deadline, m
+            engine.step()
+            time.sleep(0.1)
+        engine.stage_weights(str(weights), 1, wait=True)  # the trainer's next announcement
+        assert engine.status().metrics["engine/version"] == 1
     finally:
         engine.close()
 

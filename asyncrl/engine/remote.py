@@ -126,6 +126,7 @@ class RemoteEngine:
             self.requests.dispatch,
             min(s.version for s in self.servers),
             self._load,
+            suspect=lambda state, why: self.watch.suspect(state, why),
         )
         self.watch = ServerWatch(
             cfg, self.servers, self._session, self._reattach, self.requests.dispatch, model_path

@@ -92,6 +92,7 @@ class ServerUpdates:
         on_server_free: Callable[[], None],
         version: int,
         load: Callable[[ServerState, str | WeightsPush, int], Awaitable[bool]],
+        suspect: Callable[[ServerState, str], None] = lambda state, why: None,
     ) -> None:
         self.servers = servers
         self.version = version
@@ -109,6 +110,9 @@ class ServerUpdates:
         self._session, self._loop = session, loop
         self._on_server_free = on_server_free  # the engine sends it requests again
         self._load = load  # (server, source, version) -> whether the server confirmed
+        # A server that fails an update may be gone: it gets no request while it waits
+        # for weights, so no request would ever find out; the watch probes it.
+        self._suspect = suspect
         self._changed = threading.Condition()  # guards _target, staged_version, version
         self._target: tuple[str | WeightsPush, int] | None = None  # newest weights offered
         self._task: asyncio.Task | None = None
@@ -205,9 +209,10 @@ class ServerUpdates:
                 self._changed.notify_all()
 
     async def _update_one(self, state: ServerState, path: str | WeightsPush, version: int) -> None:
-        state.updating, torn = True, state.torn
+        state.updating, torn, loaded = True, state.torn, False
         try:
-            if await self._load(state, path, version):  # a torn one may go back in version
+            loaded = await self._load(state, path, version)
+            if loaded:  # a torn one may go back in version
                 state.version = version if torn else max(state.version, version)
             else:
                 log.warning("%s did not load weights v%d from %s", state.server.url, version, path)
@@ -215,4 +220,6 @@ class ServerUpdates:
             log.exception("updating %s to weights v%d failed", state.server.url, version)
         finally:
             state.updating = False
+            if not loaded:
+                self._suspect(state, f"weights v{version} were not loaded")
             self._on_server_free()

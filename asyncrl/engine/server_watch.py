@@ -4,7 +4,8 @@ A server is someone else's process: it can die, hang or be restarted under the e
 ``ServerWatch`` is ``RemoteEngine``'s collaborator for that, on the engine's event loop.
 A request whose connection fails (refused, dropped, silent past
 ``engine.remote.request_timeout_s``) or that a server answers with a server error marks
-the server suspect; the engine puts the request back in its queue with every token it
+the server suspect, and so does a weight update it does not confirm (a server waiting
+for weights gets no requests, so none would find it gone); the engine puts the request back in its queue with every token it
 had, and sends nothing more to a server that is down. Every ``PROBE_S`` the watch asks
 each down server's ``/health``, and:
 
