@@ -86,6 +86,9 @@ class GeneratorWorker:
         self.leases_aborted = 0  # taken back by the buffer while this generator held them
         self.requests_refused = 0  # leases the engine could not run (see _submit)
         self.stats = GeneratorStats()
+        # The launcher restarts a generator whose loop stops turning (frozen, wedged): weights
+        # stage on their own thread, so a turn never waits for a transfer.
+        self.alive = AliveMark()
         self.metrics = MetricsLogger(cfg.run_dir, f"generator_{worker_id}", cfg.metrics)
         self.episodes: EpisodeDriver | None = None
         if cfg.task.environment:  # multi-turn: each lease is an episode
@@ -104,9 +107,6 @@ class GeneratorWorker:
 
     def run(self) -> None:
         last_beat, last_log, turn_start = 0.0, time.time(), time.perf_counter()
-        # The launcher restarts a generator whose loop stops turning (frozen, wedged): weights
-        # stage on their own thread, so a turn never waits for a transfer.
-        alive = AliveMark()
         try:
             while not self.stop_event.is_set():
                 if self.drain_event.is_set():
@@ -122,7 +122,7 @@ class GeneratorWorker:
                     self._step()
                 now = time.time()
                 self.outbox.flush(self.pending.values(), now, force=False)
-                alive.touch(now)
+                self.alive.touch(now)
                 turn_start = self._end_turn(turn_start, stepped)
                 if now - last_beat >= self.cfg.transport.heartbeat_s:
                     self._heartbeat()

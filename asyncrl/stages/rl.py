@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from asyncrl.buffer.client import BufferClient
+from asyncrl.generator.lent import LendingSource
 from asyncrl.interfaces import BatchSource, WeightPublisher
 from asyncrl.loop.advantages import Advantages, make_advantages
 from asyncrl.loop.batch import (
@@ -164,6 +165,8 @@ def setup(cfg: RLExperiment, info: DistInfo, recorded: BatchSource | None = None
             else NoWeightPublisher()
         )
         source = BufferClient(cfg.run_dir, cfg.run_id, info.rank, cfg.transport)
+        if cfg.generate_while_waiting:  # the rank's cores decode while it waits
+            source = LendingSource(source, cfg.rollout(), info.rank)
     log = MetricsLogger(cfg.run_dir, "trainer", cfg.metrics, info.is_main, cfg.rl.max_steps)
     ledger = Ledger(cfg.run_dir, info.rank)
     # Logged times and time_limit_s count from the first trainer start, across restarts.

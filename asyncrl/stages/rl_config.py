@@ -57,6 +57,11 @@ class RLExperiment:
     becomes 0): the synchronous hybrid-engine baseline, through the same RL step.
     ``elastic``: ``async``, starting with ``num_generators``, and the launcher adds or
     drains generators while the run goes on as ``elastic`` decides."""
+    generate_while_waiting: bool = False
+    """``async`` or ``elastic``: while a trainer rank waits for its batch, an embedded
+    engine of its own generates on its cores (generator ``lent<rank>``, gated by the wait,
+    so it never computes beside the trainer; ``asyncrl.generator.lent``). Where the trainer
+    waits for generation, its cores decode instead of idling."""
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     """How ``placement=elastic`` moves generators (``asyncrl.elastic``)."""
     init_from_experiment: str = ""
@@ -149,6 +154,7 @@ class RLExperiment:
             )
         if self.placement == "colocated":
             self.check_colocated()
+        self.check_lending()
         self.check_probe()
         if self.task.environment:
             self.check_episodes()
@@ -183,6 +189,18 @@ class RLExperiment:
                 self.buffer.max_staleness,
             )
             self.buffer.max_staleness = 0
+
+    def check_lending(self) -> None:
+        """A trainer lends its waits to an engine in its own process: an embedded one."""
+        if self.generate_while_waiting and (
+            self.placement == "colocated" or not self.engine.plan().embedded
+        ):
+            raise ConfigError(
+                "generate_while_waiting lends the trainer's cores to an embedded engine "
+                "while it waits for a batch: it needs placement=async or elastic and "
+                f"engine.backend=embedded (got placement={self.placement}, "
+                f"engine.backend={self.engine.backend})"
+            )
 
     def check_probe(self) -> None:
         """The check after a flip needs engines that can score it: embedded generators."""

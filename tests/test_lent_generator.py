@@ -1,0 +1,131 @@
+"""A trainer rank that generates while it waits (``generate_while_waiting``): its lent
+generator steps only while the gate is open (the trainer's wait), never beside the
+trainer, and makes the tokens any generator would; through the launcher, the lent
+generator's tokens reach the buffer and its books balance."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from asyncrl.buffer.core import RolloutBuffer
+from asyncrl.buffer.scoring import InlineScoring
+from asyncrl.buffer.server import BufferServer
+from asyncrl.config import ConfigError
+from asyncrl.engine.embedded import EmbeddedEngineConfig
+from asyncrl.generator.lent import Gate, LentWorker
+from asyncrl.stages.rl_config import RLExperiment
+from tests.test_drain import PROMPTS, _config, _CountingEngine, _generate, _prompts
+from tests.test_elastic_launch import ROOT, _trained
+
+
+class _TimedEngine(_CountingEngine):
+    """Counts its tokens and notes when each step ran."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.steps: list[tuple[float, float]] = []
+
+    def step(self):
+        start = time.monotonic()
+        out = super().step()
+        self.steps.append((start, time.monotonic()))
+        return out
+
+
+def test_a_lent_generator_steps_only_while_its_gate_is_open_and_makes_the_same_tokens(
+    tmp_path, tiny_model_dir
+):
+    """Closed at first, it generates nothing; then the gate opens and closes in turn, as
+    a trainer's waits and steps would: no engine step overlaps a closed spell (``close``
+    returns only once the step in progress ends), the samples complete, and their tokens
+    are a plain generator's."""
+    cfg = _config(tmp_path / "lent", tiny_model_dir)
+    buffer = RolloutBuffer(cfg.buffer, cfg.run_id, _prompts, cfg.sampling.spec(seed=7))
+    server = BufferServer(cfg, buffer, InlineScoring(lambda *_: 1.0))
+    threads = [threading.Thread(target=server.serve, daemon=True)]
+    threads[0].start()
+    gate = Gate()
+    engine = _TimedEngine(tiny_model_dir, EmbeddedEngineConfig(max_slots=4, max_seq_len=64))
+    worker = LentWorker(cfg, "lent0", engine, gate)
+    threads.append(threading.Thread(target=worker.run, daemon=True))
+    threads[1].start()
+    closed: list[tuple[float, float]] = []
+    try:
+        time.sleep(1.0)
+        assert engine.generated == 0 and not engine.steps  # the trainer's: nothing ran
+        deadline = time.monotonic() + 120
+        while len(buffer.state.ready) < PROMPTS:
+            assert time.monotonic() < deadline, "the lent generator never finished the batch"
+            gate.open()
+            time.sleep(0.05)
+            gate.close()
+            shut = time.monotonic()
+            time.sleep(0.05)  # the trainer's step: nothing may decode
+            closed.append((shut, time.monotonic()))
+    finally:
+        worker.stop()
+        server.stop()
+        for thread in threads:
+            thread.join(timeout=30)
+    assert len(closed) >= 3, "too few turns of the gate to show anything"
+    overlaps = [(s, c) for s in engine.steps for c in closed if s[0] < c[1] and s[1] > c[0]]
+    assert not overlaps, f"{len(overlaps)} engine steps ran while the gate was closed"
+    tokens = {
+        (group.group_id, slot.index): list(slot.token_ids)
+        for group in buffer.state.groups.values()
+        for slot in group.slots
+    }
+    reference, _, _ = _generate(_config(tmp_path / "plain", tiny_model_dir), tiny_model_dir, None)
+    assert tokens == reference
+    assert engine.generated == worker.outbox.tokens_sent > 0
+
+
+def test_generate_while_waiting_is_refused_where_the_trainer_cannot_lend():
+    with pytest.raises(ConfigError, match="generate_while_waiting"):
+        RLExperiment(generate_while_waiting=True, placement="colocated").finalize()
+
+
+def test_a_trainer_generating_while_it_waits_feeds_the_buffer_through_the_launcher(
+    tmp_path, tiny_model_dir
+):
+    """``tiny_grpo`` with one generator and the trainer lending its waits, to its last
+    step: generator ``lent0`` sent tokens, was drained at the end (its leases handed
+    back), and the books balance: nothing lost, nothing taken back for a dead holder, no
+    token wasted."""
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "launch/local.py",
+        "experiments/tiny_grpo.py",
+        f"run_dir={run_dir}",
+        f"model.path={tiny_model_dir}",
+        "rl.max_steps=40",
+        "time_limit_s=300",  # bounds a broken run
+        "eval.every_steps=0",
+        "task.train_size=200",
+        "buffer.prompts_per_batch=2",
+        "buffer.samples_per_prompt=4",
+        "buffer.dynamic_sampling=false",
+        "engine.embedded.max_slots=8",
+        "transport.heartbeat_s=0.2",
+        "metrics.tensorboard=false",
+        "generate_while_waiting=true",
+    ]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert _trained(run_dir) == 40
+    lent = json.loads((run_dir / "generator_lent0_summary.json").read_text())
+    assert lent["tokens"] > 0 and lent["leases_handed_back"] is not None, lent
+    c = json.loads((run_dir / "buffer_counters.json").read_text())
+    ended = sum(
+        c.get(f"buffer/samples_{k}", 0) for k in ("consumed", "stale", "filtered", "failed")
+    )
+    assert c["buffer/samples_created"] == ended + c["buffer/in_flight_samples"], c
+    assert c.get("buffer/leases_revoked_holder_silent", 0) == 0, c
+    assert c["buffer/tokens_revoked_alive"] == 0, c
