@@ -175,7 +175,13 @@ def _elastic_study():
 def test_the_elastic_study_runs_each_fixed_count_and_an_elastic_run_not_told_the_best():
     study = _elastic_study()
     args = study.argparse.Namespace(
-        role="rewards", counts="1,2", seeds="0,1", time_limit=60.0, reward_model="rm", set=["a=b"]
+        role="rewards",
+        counts="1,2",
+        seeds="0,1",
+        time_limit=60.0,
+        reward_model="rm",
+        set=["a=b"],
+        lend=False,
     )
     points = {p.name: p for p in study.points_for(args)}
     assert sorted(points) == [
@@ -209,3 +215,28 @@ def test_the_elastic_study_runs_each_fixed_count_and_an_elastic_run_not_told_the
     assert summary["elastic_against_best_fixed"] == pytest.approx(144 / 140 - 1)
     with pytest.raises(SystemExit, match="--reward-model"):
         study.points_for(study.argparse.Namespace(**{**vars(args), "reward_model": ""}))
+
+
+def test_the_elastic_study_lends_the_trainer_s_waits_at_each_fixed_count_when_asked():
+    study = _elastic_study()
+    args = study.argparse.Namespace(
+        role="generators",
+        counts="1",
+        seeds="0",
+        time_limit=60.0,
+        reward_model="",
+        set=[],
+        lend=True,
+    )
+    points = {p.name: p for p in study.points_for(args)}
+    assert sorted(points) == ["fixed1_s0", "lend1_s0"]  # one count: nowhere to move
+    assert "generate_while_waiting=true" in points["lend1_s0"].overrides
+    assert "generate_while_waiting=true" not in points["fixed1_s0"].overrides
+    rows = [
+        {"seed": 0, "placement": p, "count": 1, "trained_tokens_per_s": v, "elastic": None}
+        for p, v in [("fixed", 100.0), ("lending", 120.0)]
+    ]
+    summary = study.summarize(rows, "generators")
+    assert summary["lending_trained_tokens_per_s"] == {"1": 120.0}
+    assert summary["lending_against_best_fixed"] == pytest.approx(0.2)
+    assert summary["elastic_trained_tokens_per_s"] is None

@@ -2,7 +2,7 @@
 
     python tools/elastic_study.py [--experiment experiments/tiny_grpo.py] [--seeds 0,1,2] \
         [--role generators|rewards] [--counts 1,2] [--time-limit 240] \
-        [--reward-model DIR] [--set KEY=VALUE ...] [--out runs/studies/elastic]
+        [--reward-model DIR] [--lend] [--set KEY=VALUE ...] [--out runs/studies/elastic]
 
 For each seed, one run at each fixed count of the role (``num_generators``, or
 ``reward.model_servers`` with ``--role rewards``, which scores with the reward model in
@@ -12,6 +12,10 @@ for ``--time-limit`` seconds on the same cores, one after another
 (``asyncrl.launcher.study``). Ends with one JSON line: the median trained tokens/s of
 each fixed count and of the elastic runs, elastic against the best fixed count (the
 acceptance figure: within 5%), and the elastic runs' time at each count and moves.
+
+``--lend`` adds, at each fixed count, a run whose trainer generates while it waits for
+its batch (``generate_while_waiting=true``), summarized against the best fixed count
+without it. With a single count there is no elastic run (it would have nowhere to move).
 """
 
 from __future__ import annotations
@@ -49,6 +53,12 @@ def points_for(args: argparse.Namespace) -> list[Point]:
         for count in counts:
             labels = {"seed": seed, "placement": "fixed", "count": count}
             points.append(Point(f"fixed{count}_s{seed}", [*base, f"{key}={count}"], labels))
+            if args.lend:
+                lend = [*base, f"{key}={count}", "generate_while_waiting=true"]
+                labels = {"seed": seed, "placement": "lending", "count": count}
+                points.append(Point(f"lend{count}_s{seed}", lend, labels))
+        if low == high:
+            continue
         elastic = [*base, "placement=elastic", f"{key}={low}", *bounds]
         labels = {"seed": seed, "placement": "elastic", "count": low}
         points.append(Point(f"elastic_s{seed}", elastic, labels))
@@ -60,19 +70,24 @@ def summarize(results: list[dict], role: str) -> dict:
         values = [r["trained_tokens_per_s"] for r in rows if r["trained_tokens_per_s"]]
         return statistics.median(values) if values else None
 
-    fixed = {
-        str(c): median([r for r in results if r["placement"] == "fixed" and r["count"] == c])
-        for c in sorted({r["count"] for r in results if r["placement"] == "fixed"})
-    }
+    def by_count(placement: str) -> dict[str, float | None]:
+        rows = [r for r in results if r["placement"] == placement]
+        counts = sorted({r["count"] for r in rows})
+        return {str(c): median([r for r in rows if r["count"] == c]) for c in counts}
+
+    fixed, lending = by_count("fixed"), by_count("lending")
     elastic_rows = [r for r in results if r["placement"] == "elastic"]
     elastic = median(elastic_rows)
     best = max((v for v in fixed.values() if v), default=None)
+    best_lending = max((v for v in lending.values() if v), default=None)
     return {
         "role": role,
         "seeds": sorted({r["seed"] for r in results}),
         "fixed_trained_tokens_per_s": fixed,
         "elastic_trained_tokens_per_s": elastic,
         "elastic_against_best_fixed": elastic / best - 1 if elastic and best else None,
+        "lending_trained_tokens_per_s": lending,
+        "lending_against_best_fixed": best_lending / best - 1 if best_lending and best else None,
         "elastic_runs": [
             {
                 "seed": r["seed"],
@@ -94,6 +109,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--counts", default="1,2", help="fixed counts of the role to sweep")
     parser.add_argument("--time-limit", type=float, default=240.0, help="seconds per run")
     parser.add_argument("--reward-model", default="", help="value-head HF directory (rewards)")
+    parser.add_argument(
+        "--lend", action="store_true", help="also each fixed count with generate_while_waiting"
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/studies/elastic"))
     add_set_argument(parser)
     args = parser.parse_args(argv)
