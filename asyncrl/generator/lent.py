@@ -107,15 +107,13 @@ class LendingSource:
         )
         self.worker = LentWorker(cfg, worker_id, engine, self.gate)
         self.thread = threading.Thread(target=self._run, name=f"generator-lent{rank}", daemon=True)
-        self.failed: BaseException | None = None
         self.thread.start()
 
     def _run(self) -> None:
         torch.set_num_threads(self.threads)
         try:
             self.worker.run()
-        except BaseException as e:  # the trainer trains on; the books take its leases back
-            self.failed = e
+        except Exception:  # the trainer trains on; the buffer takes its leases back
             log.exception("the lent generator %s stopped", self.worker.worker_id)
         finally:
             self.worker.engine.close()
