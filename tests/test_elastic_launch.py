@@ -68,20 +68,27 @@ def run_then_stop(cmd: list[str], steps) -> tuple[int | None, str]:
     return launcher.returncode, "".join(lines)
 
 
-def assert_drained_and_balanced(run_dir: Path, worker: str) -> None:
-    """The drained generator ``worker`` made tokens and handed its leases back, and the
-    buffer's books balance: nothing lost, nothing taken back for a dead holder, no token
-    wasted."""
-    left = json.loads((run_dir / f"generator_{worker}_summary.json").read_text())
-    assert left["tokens"] > 0 and left["leases_handed_back"] is not None
+def assert_books_balance(run_dir: Path) -> dict:
+    """The buffer's books at the end of a run balance: every sample created has ended or
+    is in flight (nothing lost), nothing was taken back for a dead holder, no token was
+    wasted. Returns the counters."""
     c = json.loads((run_dir / "buffer_counters.json").read_text())
     ended = sum(
         c.get(f"buffer/samples_{k}", 0) for k in ("consumed", "stale", "filtered", "failed")
     )
     assert c["buffer/samples_created"] == ended + c["buffer/in_flight_samples"], c
+    assert c.get("buffer/leases_revoked_holder_silent", 0) == 0, c
+    assert c["buffer/tokens_revoked_alive"] == 0, c
+    return c
+
+
+def assert_drained_and_balanced(run_dir: Path, worker: str) -> None:
+    """The drained generator ``worker`` made tokens and handed its leases back, and the
+    buffer's books balance (``assert_books_balance``)."""
+    left = json.loads((run_dir / f"generator_{worker}_summary.json").read_text())
+    assert left["tokens"] > 0 and left["leases_handed_back"] is not None
+    c = assert_books_balance(run_dir)
     assert c.get("buffer/leases_revoked_drained", 0) == left["leases_handed_back"]
-    assert c.get("buffer/leases_revoked_holder_silent", 0) == 0
-    assert c["buffer/tokens_revoked_alive"] == 0
 
 
 def test_a_generator_joins_and_leaves_a_running_run_losing_nothing(tmp_path, tiny_model_dir):

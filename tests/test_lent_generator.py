@@ -21,7 +21,7 @@ from asyncrl.engine.embedded import EmbeddedEngineConfig
 from asyncrl.generator.lent import Gate, LentWorker
 from asyncrl.stages.rl_config import RLExperiment
 from tests.test_drain import PROMPTS, _config, _CountingEngine, _generate, _prompts
-from tests.test_elastic_launch import ROOT, _trained
+from tests.test_elastic_launch import ROOT, _trained, assert_books_balance
 
 
 class _TimedEngine(_CountingEngine):
@@ -51,14 +51,19 @@ def test_a_lent_generator_steps_only_while_its_gate_is_open_and_makes_the_same_t
     threads = [threading.Thread(target=server.serve, daemon=True)]
     threads[0].start()
     gate = Gate()
-    engine = _TimedEngine(tiny_model_dir, EmbeddedEngineConfig(max_slots=4, max_seq_len=64))
+    # The reference's engine settings, threads included: torch's intra-op thread count is
+    # process-wide state that earlier tests leave behind, and a sum split over other
+    # threads rounds differently, which can move a sampled token.
+    engine_cfg = EmbeddedEngineConfig(max_slots=4, max_seq_len=64, threads=1)
+    engine = _TimedEngine(tiny_model_dir, engine_cfg)
     worker = LentWorker(cfg, "lent0", engine, gate)
     threads.append(threading.Thread(target=worker.run, daemon=True))
     threads[1].start()
     closed: list[tuple[float, float]] = []
     try:
         time.sleep(1.0)
-        assert engine.generated == 0 and not engine.steps  # the trainer's: nothing ran
+        # The trainer's time: nothing ran.
+        assert engine.generated == 0 and not engine.steps, (engine.generated, engine.steps)
         deadline = time.monotonic() + 120
         while len(buffer.state.ready) < PROMPTS:
             assert time.monotonic() < deadline, "the lent generator never finished the batch"
@@ -82,8 +87,8 @@ def test_a_lent_generator_steps_only_while_its_gate_is_open_and_makes_the_same_t
         for slot in group.slots
     }
     reference, _, _ = _generate(_config(tmp_path / "plain", tiny_model_dir), tiny_model_dir, None)
-    assert tokens == reference
-    assert engine.generated == worker.outbox.tokens_sent > 0
+    assert tokens == reference, (tokens, reference)
+    assert engine.generated == worker.outbox.tokens_sent > 0, worker.outbox.tokens_sent
 
 
 def test_generate_while_waiting_is_refused_where_the_trainer_cannot_lend():
@@ -122,10 +127,4 @@ def test_a_trainer_generating_while_it_waits_feeds_the_buffer_through_the_launch
     assert _trained(run_dir) == 40
     lent = json.loads((run_dir / "generator_lent0_summary.json").read_text())
     assert lent["tokens"] > 0 and lent["leases_handed_back"] is not None, lent
-    c = json.loads((run_dir / "buffer_counters.json").read_text())
-    ended = sum(
-        c.get(f"buffer/samples_{k}", 0) for k in ("consumed", "stale", "filtered", "failed")
-    )
-    assert c["buffer/samples_created"] == ended + c["buffer/in_flight_samples"], c
-    assert c.get("buffer/leases_revoked_holder_silent", 0) == 0, c
-    assert c["buffer/tokens_revoked_alive"] == 0, c
+    assert_books_balance(run_dir)

@@ -174,14 +174,21 @@ def _elastic_study():
 
 def test_the_elastic_study_runs_each_fixed_count_and_an_elastic_run_not_told_the_best():
     study = _elastic_study()
-    args = study.argparse.Namespace(
-        role="rewards",
-        counts="1,2",
-        seeds="0,1",
-        time_limit=60.0,
-        reward_model="rm",
-        set=["a=b"],
-        lend=False,
+    args = study.parse_args(
+        [
+            "--role",
+            "rewards",
+            "--counts",
+            "1,2",
+            "--seeds",
+            "0,1",
+            "--time-limit",
+            "60",
+            "--reward-model",
+            "rm",
+            "--set",
+            "a=b",
+        ]
     )
     points = {p.name: p for p in study.points_for(args)}
     assert sorted(points) == [
@@ -214,20 +221,12 @@ def test_the_elastic_study_runs_each_fixed_count_and_an_elastic_run_not_told_the
     assert summary["elastic_trained_tokens_per_s"] == 144.0
     assert summary["elastic_against_best_fixed"] == pytest.approx(144 / 140 - 1)
     with pytest.raises(SystemExit, match="--reward-model"):
-        study.points_for(study.argparse.Namespace(**{**vars(args), "reward_model": ""}))
+        study.points_for(study.parse_args(["--role", "rewards"]))
 
 
 def test_the_elastic_study_lends_the_trainer_s_waits_at_each_fixed_count_when_asked():
     study = _elastic_study()
-    args = study.argparse.Namespace(
-        role="generators",
-        counts="1",
-        seeds="0",
-        time_limit=60.0,
-        reward_model="",
-        set=[],
-        lend=True,
-    )
+    args = study.parse_args(["--counts", "1", "--lend"])
     points = {p.name: p for p in study.points_for(args)}
     assert sorted(points) == ["fixed1_s0", "lend1_s0"]  # one count: nowhere to move
     assert "generate_while_waiting=true" in points["lend1_s0"].overrides

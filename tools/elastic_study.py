@@ -99,7 +99,7 @@ def summarize(results: list[dict], role: str) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -114,7 +114,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--out", type=Path, default=Path("runs/studies/elastic"))
     add_set_argument(parser)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     points = points_for(args)
     timeout = args.time_limit * 3 + 600  # start-up, the final evaluation, a slow machine
     results = run_points(args.experiment, points, args.out, targets=[], timeout_s=timeout)

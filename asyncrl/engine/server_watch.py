@@ -5,9 +5,9 @@ A server is someone else's process: it can die, hang or be restarted under the e
 A request whose connection fails (refused, dropped, silent past
 ``engine.remote.request_timeout_s``) or that a server answers with a server error marks
 the server suspect, and so does a weight update it does not confirm (a server waiting
-for weights gets no requests, so none would find it gone); the engine puts the request back in its queue with every token it
-had, and sends nothing more to a server that is down. Every ``PROBE_S`` the watch asks
-each down server's ``/health``, and:
+for weights gets no requests, so none would find it gone); the engine puts the request
+back in its queue with every token it had, and sends nothing more to a server that is
+down. Every ``PROBE_S`` the watch asks each down server's ``/health``, and:
 
 - logs, every ``LOG_EVERY_S``, the server's URL, for how long, and the last error;
 - restarts a server this engine launched once its process has exited, or once it has not
