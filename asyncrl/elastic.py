@@ -21,6 +21,12 @@ The rule, one move at a time:
 - the trainer waits for batches otherwise: generation is the bottleneck, so one
   generator more, or up to ``max_step`` more toward the split where generation would
   keep the trainer busy (``balanced``);
+- with ``lend_waits``, the trainer waits and no generator more can be added (at
+  ``max_generators``, or after an undo, or a move that could not repay): its waits are
+  lent to a generator on its own cores (``generate_while_waiting``), the colocated
+  sharing of resources inside the asynchronous run; lending stops where the trainer is
+  busy (idle below ``trainer_idle_low``: nothing to lend), and the lent engine's memory
+  goes back to the trainer;
 - the trainer is busy (idle below ``trainer_idle_low``) while ready batches pile up
   (``backlog_batches`` or more): generation runs ahead, so one generator fewer, and its
   cores or accelerator go back to the rest of the run;
@@ -102,6 +108,10 @@ class ElasticConfig:
     reward_backlog: float = 0.5
     """Samples waiting for a reward server, in batches, from which the trainer's wait is
     put down to scoring rather than generation."""
+    lend_waits: bool = False
+    """Moves may also lend the trainer's waits to a generator on its cores (where no
+    generator more can be added) and stop lending where the trainer is busy, which hands
+    the lent engine's memory back (embedded engines; ``LENDING``)."""
     reward_busy_low: float = 0.3
     """Reward servers that would score less than this share of their time with one
     fewer, with less than ``reward_backlog`` queued, give one back."""
@@ -162,6 +172,8 @@ class Signals(NamedTuple):
     """Finished samples waiting for a reward server, in batches."""
     reward_busy: float = 0.0
     """Share of the reward servers' time spent scoring."""
+    lending: bool = False
+    """Whether the trainer lends its waits to a generator now (``lend_waits``)."""
 
 
 class StepRecord(NamedTuple):
@@ -229,12 +241,16 @@ def balanced_target(s: Signals) -> int:
     return max((math.floor(b), math.ceil(b)), key=lambda g: predicted(s, g))
 
 
+LENDING = "lending"
+"""The role of a move that starts (+1) or stops (-1) lending the trainer's waits."""
+
+
 class Move(NamedTuple):
     delta: int
-    """Processes of ``role`` more (+) or fewer (-)."""
+    """Processes of ``role`` more (+) or fewer (-); for ``LENDING``, start or stop."""
     reason: str
     role: str = "generators"
-    """"generators" or "rewards" (reward servers)."""
+    """"generators", "rewards" (reward servers) or ``LENDING``."""
 
 
 class Controller:
@@ -331,7 +347,21 @@ class Controller:
             room = cfg.max_generators - s.generators
             step = min(cfg.max_step, room, max(1, balanced_target(s) - s.generators))
             yield Move(step, f"trainer idle {s.trainer_idle:.0%} > {cfg.trainer_idle_high:.0%}")
+        if cfg.lend_waits and not s.lending and s.trainer_idle > cfg.trainer_idle_high:
+            yield Move(
+                1,
+                f"trainer idle {s.trainer_idle:.0%} > {cfg.trainer_idle_high:.0%} and no "
+                "generator more: its cores generate while it waits",
+                LENDING,
+            )
         busy = s.trainer_idle < cfg.trainer_idle_low
+        if s.lending and busy:
+            yield Move(
+                -1,
+                f"trainer idle {s.trainer_idle:.0%} < {cfg.trainer_idle_low:.0%}: nothing to "
+                "lend, the lent engine's memory goes back",
+                LENDING,
+            )
         if busy and s.ready_batches >= cfg.backlog_batches and s.generators > cfg.min_generators:
             yield Move(
                 -1,

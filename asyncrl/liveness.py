@@ -1,6 +1,7 @@
 """What a supervised process and its supervisor (``asyncrl.launcher.supervise``) agree on,
-kept below both: the file a process touches to show its loop turns, and the exit code that
-says a restart cannot help."""
+kept below both: the file a process touches to show its loop turns, the exit code that
+says a restart cannot help, and the switch by which the elastic launcher has the trainer
+lend its waits to generation."""
 
 from __future__ import annotations
 
@@ -31,3 +32,25 @@ class AliveMark:
         if self.path is not None and now - self.last >= self.every_s:
             self.path.touch()
             self.last = now
+
+
+class LendSwitch:
+    """Whether the trainer lends its waits to generation now (``elastic.lend_waits``): the
+    elastic launcher writes ``RUN_DIR/control/lending`` (``1`` or ``0``), the trainer reads
+    it before each batch it asks for. No file: not lending."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.path = Path(run_dir) / "control" / "lending"
+
+    def set(self, on: bool) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("1\n" if on else "0\n")
+        tmp.replace(self.path)  # a reader sees the old value or the new, whole
+
+    @property
+    def on(self) -> bool:
+        try:
+            return self.path.read_text().strip() == "1"
+        except FileNotFoundError:
+            return False

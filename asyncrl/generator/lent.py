@@ -16,6 +16,11 @@ its tokens sent, its leases handed back.
 The gate is the trainer's wait itself, so the share of the trainer's cores that goes to
 generation follows the run: nothing while generation keeps the trainer busy, most of them
 where the trainer waits (dynamic sampling dropping groups, responses growing).
+
+Under ``placement=elastic`` with ``elastic.lend_waits``, lending is one of the controller's
+moves, the colocated ↔ async switch: the launcher turns a ``LendSwitch`` on or off, and
+switched off the lent generator leaves as a drained one does and its engine is freed, so
+a trainer that no longer waits gets its memory back.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 from asyncrl.buffer.config import RolloutConfig
 from asyncrl.generator.worker import GeneratorWorker, make_engine
 from asyncrl.interfaces import BatchSource
+from asyncrl.liveness import LendSwitch
 from asyncrl.wire import Batch
 
 log = logging.getLogger(__name__)
@@ -91,32 +97,62 @@ class LentWorker(GeneratorWorker):
 
 
 class LendingSource:
-    """A ``BatchSource`` that lends the trainer rank's cores to generation while it waits."""
+    """A ``BatchSource`` that lends the trainer rank's cores to generation while it waits:
+    always, or, given a ``LendSwitch``, while it is on (the elastic controller's lending
+    moves). Switched off, the lent generator is drained (its leases go back to the buffer,
+    which another generator continues) and its engine, weights and KV cache, is freed;
+    switched on again, a new one joins under a new worker id and takes the newest weights
+    as any joining generator does."""
 
-    def __init__(self, inner: BatchSource, cfg: RolloutConfig, rank: int) -> None:
+    def __init__(
+        self, inner: BatchSource, cfg: RolloutConfig, rank: int, switch: LendSwitch | None = None
+    ) -> None:
         if not cfg.engine.plan().embedded:  # refused before the run starts, too
             raise ValueError("generate_while_waiting needs engine.backend=embedded")
-        self.inner, self.gate, worker_id = inner, Gate(), f"lent{rank}"
+        self.inner, self.cfg, self.rank, self.switch = inner, cfg, rank, switch
         # The engine decodes on the trainer's cores, with the trainer's intra-op threads
         # (set on its own thread in _run: with torch's OpenMP backend the count is per
         # thread), and must not pin the trainer's to the generators' count here.
         self.threads = torch.get_num_threads()
-        embedded = replace(cfg.engine.embedded, threads=0)
-        engine = make_engine(
-            replace(cfg, engine=replace(cfg.engine, embedded=embedded)), cfg.model.path, worker_id
-        )
-        self.worker = LentWorker(cfg, worker_id, engine, self.gate)
-        self.thread = threading.Thread(target=self._run, name=f"generator-lent{rank}", daemon=True)
+        self.gate = Gate()
+        self.worker: LentWorker | None = None
+        self.thread: threading.Thread | None = None
+        self.joins = 0
+        if switch is None:
+            self._start()
+
+    def _start(self) -> None:
+        worker_id = f"lent{self.rank}" + (f"-{self.joins}" if self.joins else "")
+        self.joins += 1
+        embedded = replace(self.cfg.engine.embedded, threads=0)
+        engine_cfg = replace(self.cfg, engine=replace(self.cfg.engine, embedded=embedded))
+        engine = make_engine(engine_cfg, self.cfg.model.path, worker_id)
+        self.worker = LentWorker(self.cfg, worker_id, engine, self.gate)
+        self.thread = threading.Thread(target=self._run, args=(self.worker,), daemon=True)
+        self.thread.name = f"generator-{worker_id}"
         self.thread.start()
 
-    def _run(self) -> None:
+    def _run(self, worker: LentWorker) -> None:
         torch.set_num_threads(self.threads)
         try:
-            self.worker.run()
+            worker.run()
         except Exception:  # the trainer trains on; the buffer takes its leases back
-            log.exception("the lent generator %s stopped", self.worker.worker_id)
+            log.exception("the lent generator %s stopped", worker.worker_id)
         finally:
-            self.worker.engine.close()
+            worker.engine.close()
+
+    def _leave(self) -> None:
+        """Drain the lent generator (its tokens sent, its leases handed back) and free its
+        engine."""
+        worker, thread = self.worker, self.thread
+        if worker is None or thread is None:
+            return
+        worker.drain()
+        thread.join(timeout=self.cfg.buffer.heartbeat_timeout_s + 30)
+        if thread.is_alive():
+            log.warning("the lent generator did not leave in time: the buffer takes its leases")
+            worker.stop()
+        self.worker = self.thread = None
 
     def request_batch(
         self,
@@ -127,7 +163,13 @@ class LendingSource:
         wait_tick_s: float = 10.0,
         deadline: float | None = None,
     ) -> Batch | None:
-        self.gate.open()
+        if self.switch is not None:
+            on = self.switch.on
+            if on and self.worker is None:
+                self._start()
+            elif not on and self.worker is not None:
+                self._leave()
+        self.gate.open()  # with no lent generator, nobody is waiting for it
         try:
             return self.inner.request_batch(
                 step, world_size, timeout_s, on_wait, wait_tick_s, deadline
@@ -142,11 +184,6 @@ class LendingSource:
         self.inner.announce_checkpoint(oldest_kept_step)
 
     def close(self) -> None:
-        """Drain the lent generator (its tokens sent, its leases handed back), then close
-        the source it wraps."""
-        self.worker.drain()
-        self.thread.join(timeout=self.worker.cfg.buffer.heartbeat_timeout_s + 30)
-        if self.thread.is_alive():
-            log.warning("the lent generator did not leave in time: the buffer takes its leases")
-            self.worker.stop()
+        """Drain the lent generator, then close the source it wraps."""
+        self._leave()
         self.inner.close()

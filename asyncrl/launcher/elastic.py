@@ -1,7 +1,9 @@
 """The elastic placement at run time (``placement=elastic``): the launcher reads the run's
 metrics as they are written, asks the controller (``asyncrl.elastic``) for a move, and
 carries it out through the role's pool (``asyncrl.launcher.pool``) by writing the count
-it wants to ``RUN_DIR/control/generators`` or ``RUN_DIR/control/rewards``.
+it wants to ``RUN_DIR/control/generators`` or ``RUN_DIR/control/rewards``. With
+``elastic.lend_waits``, a lending move writes ``1`` or ``0`` to ``RUN_DIR/control/lending``,
+which the trainer reads before each batch it asks for (``asyncrl.generator.lent``).
 
 What it reads from ``RUN_DIR/metrics.jsonl`` (new lines every ``CHECK_S``, timed by when
 they were read, since each process's ``time`` counts from its own start):
@@ -16,7 +18,7 @@ they were read, since each process's ``time`` counts from its own start):
   timed by the buffer's own clock, is their busy share).
 
 Every check is logged as process ``controller`` (``elastic/generators``,
-``elastic/reward_servers``, the signals, and ``elastic/move`` or
+``elastic/reward_servers``, ``elastic/lending``, the signals, and ``elastic/move`` or
 ``elastic/reward_move`` on a move), so TensorBoard and ``tools/run_report.py`` show the
 roles over time; a move is also said, with its reason, on the launcher's output.
 """
@@ -30,9 +32,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 from asyncrl.config import from_dict
-from asyncrl.elastic import Controller, ElasticConfig, Move, Signals, StepRecord, signals
+from asyncrl.elastic import (
+    LENDING,
+    Controller,
+    ElasticConfig,
+    Move,
+    Signals,
+    StepRecord,
+    signals,
+)
 from asyncrl.launcher.pool import GENERATORS, REWARDS, Role, RolePool, role_pools
 from asyncrl.launcher.supervise import Supervised, say
+from asyncrl.liveness import LendSwitch
 from asyncrl.metrics import MetricsConfig, MetricsLogger
 
 CHECK_S = 2.0
@@ -66,6 +77,9 @@ class ElasticLoop:
         self.last_check = time.monotonic()
         self.checks = 0
         self.log = MetricsLogger(run_dir, "controller", metrics)
+        self.lending = LendSwitch(run_dir)
+        if cfg.lend_waits:
+            self.lending.set(False)  # the run starts without lending; moves turn it on
 
     def adjust(self, procs: list[Supervised]) -> None:
         now = time.monotonic()
@@ -94,6 +108,8 @@ class ElasticLoop:
             "elastic/ready_batches": s.ready_batches,
             "elastic/trained_tokens_per_s": s.trained_tokens_per_s,
         }
+        if self.cfg.lend_waits:
+            scalars["elastic/lending"] = float(s.lending)
         if self.rewards is not None:
             scalars["elastic/reward_servers"] = float(reward_servers)
             scalars["elastic/reward_queue"] = s.reward_queue
@@ -107,6 +123,13 @@ class ElasticLoop:
         """Ask the move's pool for its new count (within the configured range); the
         scalars that record it."""
         cfg = self.cfg
+        if move.role == LENDING:
+            on = move.delta > 0
+            self.lending.set(on)
+            say(
+                f"elastic: {'lending' if on else 'no longer lending'} the trainer's waits: {move.reason}"
+            )
+            return {"elastic/lending_move": float(move.delta), "elastic/lending": float(on)}
         if move.role == "rewards" and self.rewards is not None:
             want = max(
                 cfg.min_reward_servers, min(cfg.max_reward_servers, reward_servers + move.delta)
@@ -161,6 +184,7 @@ class ElasticLoop:
     def _signals(self, generators: int, reward_servers: int = 0) -> Signals:
         ready = self.ready / self.batch_groups
         s = signals(generators, [step for _, step in self.steps], ready)
+        s = s._replace(lending=self.cfg.lend_waits and self.lending.on)
         if not reward_servers:
             return s
         busy = 1.0  # not measured yet (a buffer just started): no server is given back on it

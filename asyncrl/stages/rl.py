@@ -29,6 +29,7 @@ from pathlib import Path
 from asyncrl.buffer.client import BufferClient
 from asyncrl.generator.lent import LendingSource
 from asyncrl.interfaces import BatchSource, WeightPublisher
+from asyncrl.liveness import LendSwitch
 from asyncrl.loop.advantages import Advantages, make_advantages
 from asyncrl.loop.batch import (
     add_reference_logprobs,
@@ -167,6 +168,9 @@ def setup(cfg: RLExperiment, info: DistInfo, recorded: BatchSource | None = None
         source = BufferClient(cfg.run_dir, cfg.run_id, info.rank, cfg.transport)
         if cfg.generate_while_waiting:  # the rank's cores decode while it waits
             source = LendingSource(source, cfg.rollout(), info.rank)
+        elif cfg.elastic.lend_waits:  # ... while the elastic launcher's switch says so
+            switch = LendSwitch(cfg.run_dir)
+            source = LendingSource(source, cfg.rollout(), info.rank, switch)
     log = MetricsLogger(cfg.run_dir, "trainer", cfg.metrics, info.is_main, cfg.rl.max_steps)
     ledger = Ledger(cfg.run_dir, info.rank)
     # Logged times and time_limit_s count from the first trainer start, across restarts.

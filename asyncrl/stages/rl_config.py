@@ -191,12 +191,22 @@ class RLExperiment:
             self.buffer.max_staleness = 0
 
     def check_lending(self) -> None:
-        """A trainer lends its waits to an engine in its own process: an embedded one."""
-        if self.generate_while_waiting and (
+        """A trainer lends its waits to an engine in its own process: an embedded one;
+        always (``generate_while_waiting``) or as the elastic controller moves
+        (``elastic.lend_waits``), not both."""
+        lend_moves = self.elastic.lend_waits
+        if lend_moves and (self.placement != "elastic" or self.generate_while_waiting):
+            raise ConfigError(
+                "elastic.lend_waits makes lending a move of placement=elastic, instead of "
+                f"generate_while_waiting (got placement={self.placement}, "
+                f"generate_while_waiting={self.generate_while_waiting})"
+            )
+        if (self.generate_while_waiting or lend_moves) and (
             self.placement == "colocated" or not self.engine.plan().embedded
         ):
+            key = "generate_while_waiting" if self.generate_while_waiting else "elastic.lend_waits"
             raise ConfigError(
-                "generate_while_waiting lends the trainer's cores to an embedded engine "
+                f"{key} lends the trainer's cores to an embedded engine "
                 "while it waits for a batch: it needs placement=async or elastic and "
                 f"engine.backend=embedded (got placement={self.placement}, "
                 f"engine.backend={self.engine.backend})"
