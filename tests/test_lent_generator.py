@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -38,6 +39,11 @@ class _TimedEngine(_CountingEngine):
         return out
 
 
+def _longer(cfg):
+    """Samples of 48 tokens: on a fast machine 24 fit in two turns of the gate."""
+    return replace(cfg, sampling=replace(cfg.sampling, max_new_tokens=48))
+
+
 def test_a_lent_generator_steps_only_while_its_gate_is_open_and_makes_the_same_tokens(
     tmp_path, tiny_model_dir
 ):
@@ -45,7 +51,7 @@ def test_a_lent_generator_steps_only_while_its_gate_is_open_and_makes_the_same_t
     a trainer's waits and steps would: no engine step overlaps a closed spell (``close``
     returns only once the step in progress ends), the samples complete, and their tokens
     are a plain generator's."""
-    cfg = _config(tmp_path / "lent", tiny_model_dir)
+    cfg = _longer(_config(tmp_path / "lent", tiny_model_dir))
     buffer = RolloutBuffer(cfg.buffer, cfg.run_id, _prompts, cfg.sampling.spec(seed=7))
     server = BufferServer(cfg, buffer, InlineScoring(lambda *_: 1.0))
     threads = [threading.Thread(target=server.serve, daemon=True)]
@@ -68,7 +74,7 @@ def test_a_lent_generator_steps_only_while_its_gate_is_open_and_makes_the_same_t
         while len(buffer.state.ready) < PROMPTS:
             assert time.monotonic() < deadline, "the lent generator never finished the batch"
             gate.open()
-            time.sleep(0.05)
+            time.sleep(0.02)  # a few decode steps: the samples span several turns
             gate.close()
             shut = time.monotonic()
             time.sleep(0.05)  # the trainer's step: nothing may decode
@@ -86,7 +92,8 @@ def test_a_lent_generator_steps_only_while_its_gate_is_open_and_makes_the_same_t
         for group in buffer.state.groups.values()
         for slot in group.slots
     }
-    reference, _, _ = _generate(_config(tmp_path / "plain", tiny_model_dir), tiny_model_dir, None)
+    plain = _longer(_config(tmp_path / "plain", tiny_model_dir))
+    reference, _, _ = _generate(plain, tiny_model_dir, None)
     assert tokens == reference, (tokens, reference)
     assert engine.generated == worker.outbox.tokens_sent > 0, worker.outbox.tokens_sent
 
