@@ -110,9 +110,10 @@ class LendingSource:
         if not cfg.engine.plan().embedded:  # refused before the run starts, too
             raise ValueError("generate_while_waiting needs engine.backend=embedded")
         self.inner, self.cfg, self.rank, self.switch = inner, cfg, rank, switch
-        # The engine decodes on the trainer's cores, with the trainer's intra-op threads
-        # (set on its own thread in _run: with torch's OpenMP backend the count is per
-        # thread), and must not pin the trainer's to the generators' count here.
+        # The engine decodes on the trainer's cores with the trainer's intra-op threads,
+        # set again on its own thread in _run. torch's count is process-wide (a thread
+        # starts with the last count set anywhere), so the engine must not set the
+        # generators' count (threads=0 below): that would change the trainer's too.
         self.threads = torch.get_num_threads()
         self.gate = Gate()
         self.worker: LentWorker | None = None
