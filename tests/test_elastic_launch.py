@@ -68,6 +68,33 @@ def run_then_stop(cmd: list[str], steps) -> tuple[int | None, str]:
     return launcher.returncode, "".join(lines)
 
 
+def run_short_grpo(run_dir: Path, model_dir: str, *overrides: str) -> str:
+    """``tiny_grpo`` through the local launcher with small batches, no evaluation and
+    ``overrides`` (the step count among them), bounded at 300 s; asserts it ended well and
+    returns its output."""
+    cmd = [
+        sys.executable,
+        "launch/local.py",
+        "experiments/tiny_grpo.py",
+        f"run_dir={run_dir}",
+        f"model.path={model_dir}",
+        "time_limit_s=300",  # bounds a broken run
+        "eval.every_steps=0",
+        "task.train_size=200",
+        "buffer.prompts_per_batch=2",
+        "buffer.samples_per_prompt=4",
+        "buffer.dynamic_sampling=false",
+        "engine.embedded.max_slots=8",
+        "transport.heartbeat_s=0.2",
+        "metrics.tensorboard=false",
+        *overrides,
+    ]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    return output
+
+
 def assert_books_balance(run_dir: Path) -> dict:
     """The buffer's books at the end of a run balance: every sample created has ended or
     is in flight (nothing lost), nothing was taken back for a dead holder, no token was

@@ -8,8 +8,6 @@ it (its leases go back to the buffer with their tokens) and frees its engine."""
 from __future__ import annotations
 
 import gc
-import json
-import subprocess
 import sys
 import threading
 import time
@@ -33,7 +31,8 @@ from asyncrl.metrics import MetricsConfig, read_metrics
 from asyncrl.stages.rl_config import RLExperiment
 from tests.test_drain import PROMPTS, _config, _prompts
 from tests.test_elastic import WAITING, _trainer_steps, feed
-from tests.test_elastic_launch import ROOT, assert_books_balance
+from tests.test_elastic_launch import run_short_grpo
+from tests.test_lent_generator import assert_lent_drained
 
 CFG = ElasticConfig(min_generators=1, max_generators=1, dwell_s=60.0, lend_waits=True)
 BUSY = dict(trainer_idle=0.0, ready_batches=0.0)
@@ -165,35 +164,18 @@ def test_an_elastic_run_lends_the_trainer_s_waits_through_the_launcher(tmp_path,
     first look lends: the launcher turns lending on, the trainer's lent generator sends
     tokens and is drained at the end, and the books balance."""
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "launch/local.py",
-        "experiments/tiny_grpo.py",
-        f"run_dir={run_dir}",
-        f"model.path={tiny_model_dir}",
+    output = run_short_grpo(
+        run_dir,
+        tiny_model_dir,
         "rl.max_steps=150",  # some 20 s of training: two windows, then lending
-        "time_limit_s=300",  # bounds a broken run
-        "eval.every_steps=0",
-        "task.train_size=200",
-        "buffer.prompts_per_batch=2",
-        "buffer.samples_per_prompt=4",
-        "buffer.dynamic_sampling=false",
-        "engine.embedded.max_slots=8",
-        "transport.heartbeat_s=0.2",
-        "metrics.tensorboard=false",
+        "buffer.max_staleness=0",
         "placement=elastic",
         "elastic.max_generators=1",
         "elastic.lend_waits=true",
         "elastic.dwell_s=8",
         "elastic.window_s=4",
-        "buffer.max_staleness=0",
-    ]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    output = done.stdout + done.stderr
+    )
     assert "elastic: lending the trainer's waits" in output, output[-3000:]
     checks = [r for r in read_metrics(run_dir) if r["process"] == "controller"]
     assert any(r.get("elastic/lending_move") == 1 for r in checks), checks[-3:]
-    lent = json.loads((run_dir / "generator_lent0_summary.json").read_text())
-    assert lent["tokens"] > 0 and lent["leases_handed_back"] is not None, lent
-    assert_books_balance(run_dir)
+    assert_lent_drained(run_dir)

@@ -6,8 +6,6 @@ generator's tokens reach the buffer and its books balance."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import replace
@@ -22,7 +20,7 @@ from asyncrl.engine.embedded import EmbeddedEngineConfig
 from asyncrl.generator.lent import Gate, LentWorker
 from asyncrl.stages.rl_config import RLExperiment
 from tests.test_drain import PROMPTS, _config, _CountingEngine, _generate, _prompts
-from tests.test_elastic_launch import ROOT, _trained, assert_books_balance
+from tests.test_elastic_launch import _trained, assert_books_balance, run_short_grpo
 
 
 class _TimedEngine(_CountingEngine):
@@ -111,27 +109,14 @@ def test_a_trainer_generating_while_it_waits_feeds_the_buffer_through_the_launch
     back), and the books balance: nothing lost, nothing taken back for a dead holder, no
     token wasted."""
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "launch/local.py",
-        "experiments/tiny_grpo.py",
-        f"run_dir={run_dir}",
-        f"model.path={tiny_model_dir}",
-        "rl.max_steps=40",
-        "time_limit_s=300",  # bounds a broken run
-        "eval.every_steps=0",
-        "task.train_size=200",
-        "buffer.prompts_per_batch=2",
-        "buffer.samples_per_prompt=4",
-        "buffer.dynamic_sampling=false",
-        "engine.embedded.max_slots=8",
-        "transport.heartbeat_s=0.2",
-        "metrics.tensorboard=false",
-        "generate_while_waiting=true",
-    ]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    run_short_grpo(run_dir, tiny_model_dir, "rl.max_steps=40", "generate_while_waiting=true")
     assert _trained(run_dir) == 40
+    assert_lent_drained(run_dir)
+
+
+def assert_lent_drained(run_dir) -> None:
+    """The trainer's lent generator ``lent0`` sent tokens and was drained at the end, and
+    the buffer's books balance."""
     lent = json.loads((run_dir / "generator_lent0_summary.json").read_text())
     assert lent["tokens"] > 0 and lent["leases_handed_back"] is not None, lent
     assert_books_balance(run_dir)
