@@ -297,15 +297,25 @@ def report(run_dir: str | Path, minutes: list[float]) -> dict[str, Any]:
     return _rounded(figures)
 
 
+# Each role the controller moves: its count's metric is ``elastic/<role>``, a move's is
+# the value here.
+ROLES = {
+    "generators": "elastic/move",
+    "reward_servers": "elastic/reward_move",
+    "lending": "elastic/lending_move",
+}
+
+
 def elastic_figures(records: list[dict]) -> dict[str, Any] | None:
     """An elastic run's allocations (``placement=elastic``): seconds spent at each
-    generator count and, with reward servers, at each of theirs, from the controller's
-    checks, and its moves of either role (None for other runs)."""
+    generator count, with reward servers at each of theirs, and with ``lend_waits`` lending
+    (1) or not (0), from the controller's checks, and its moves of each (None for other
+    runs)."""
     checks = [r for r in records if r["process"] == "controller"]
     if not checks:
         return None
     out: dict[str, Any] = {}
-    for role in ("generators", "reward_servers"):
+    for role in ROLES:
         if f"elastic/{role}" not in checks[0]:
             continue
         seconds: dict[str, float] = {}
@@ -317,7 +327,7 @@ def elastic_figures(records: list[dict]) -> dict[str, Any] | None:
     out["moves"] = [
         {"at_s": r["time"], "delta": int(r[key]), role: r[f"elastic/{role}"]}
         for r in checks
-        for key, role in (("elastic/move", "generators"), ("elastic/reward_move", "reward_servers"))
+        for role, key in ROLES.items()
         if key in r
     ]
     return out

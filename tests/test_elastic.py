@@ -309,7 +309,7 @@ def test_the_loop_moves_reward_servers_on_the_buffer_s_queue(tmp_path, monkeypat
     assert loop._signals(1, reward_servers=2).reward_busy == 1.0
 
 
-def test_the_run_report_gives_the_time_at_each_generator_count_and_the_moves():
+def test_the_run_report_gives_the_time_at_each_role_count_and_the_moves():
     checks = [
         {"process": "controller", "time": t, "elastic/generators": g}
         for t, g in ((10.0, 1), (12.0, 2), (14.0, 2), (20.0, 1), (22.0, 1))
@@ -323,3 +323,14 @@ def test_the_run_report_gives_the_time_at_each_generator_count_and_the_moves():
         ],
     }
     assert elastic_figures([{"process": "trainer", "time": 1.0}]) is None
+    # With lend_waits, lending is a role of 0 or 1 with moves of its own.
+    for check, on in zip(checks, (0, 0, 1, 1, 0)):
+        check["elastic/lending"] = on
+    checks[2]["elastic/lending_move"], checks[4]["elastic/lending_move"] = 1.0, -1.0
+    lending = elastic_figures(checks)
+    assert lending["seconds_at_lending"] == {"0": 4.0, "1": 8.0}
+    assert lending["moves"][1:3] == [
+        {"at_s": 14.0, "delta": 1, "lending": 1},
+        {"at_s": 20.0, "delta": -1, "generators": 1},
+    ]
+    assert lending["moves"][-1] == {"at_s": 22.0, "delta": -1, "lending": 0}

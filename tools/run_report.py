@@ -3,8 +3,8 @@
     python tools/run_report.py RUN_DIR [--minutes 0,2,5,10] [--plot roles.png]
 
 ``--plot`` draws, for an elastic run, trained tokens/s over time above the role counts
-(generators and, where the run has them, reward servers), so each move sits under what
-it did to throughput.
+(generators and, where the run has them, reward servers and lending the trainer's waits,
+0 or 1), so each move sits under what it did to throughput.
 """
 
 from __future__ import annotations
@@ -37,10 +37,11 @@ def plot_roles(run_dir: str, out: Path) -> None:
     for key, label in (
         ("elastic/generators", "generators"),
         ("elastic/reward_servers", "reward servers"),
+        ("elastic/lending", "lending the trainer's waits"),
     ):
         if key in checks[0]:
             bottom.step(t, [r[key] for r in checks], where="post", label=label)
-    bottom.set(xlabel="controller time (s)", ylabel="processes")
+    bottom.set(xlabel="controller time (s)", ylabel="processes (lending: 0 or 1)")
     bottom.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
