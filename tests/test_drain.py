@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import replace
 
 from asyncrl.buffer.config import BufferConfig, RolloutConfig
@@ -31,6 +30,7 @@ from asyncrl.metrics import MetricsConfig
 from asyncrl.models import ModelConfig
 from asyncrl.transport import TransportConfig
 from asyncrl.wire import Chunk, SamplingSpec
+from tests.runs import wait_for
 
 PROMPTS, SAMPLES = 2, 2
 
@@ -108,13 +108,6 @@ class _CountingEngine(EmbeddedEngine):
         return out
 
 
-def _wait(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
 def _generate(cfg: RolloutConfig, model_dir: str, drain_after_tokens: int | None):
     """Run the buffer and generator g0 until one batch of samples is complete; with
     ``drain_after_tokens``, g0 is drained once it has generated that many tokens and g1
@@ -138,12 +131,16 @@ def _generate(cfg: RolloutConfig, model_dir: str, drain_after_tokens: int | None
     try:
         first = start("g0")
         if drain_after_tokens is not None:
-            _wait(lambda: first.engine.generated >= drain_after_tokens, 60, "g0's tokens")
+            wait_for(
+                lambda: first.engine.generated >= drain_after_tokens, 60, "g0's tokens", poll_s=0.01
+            )
             first.drain()
             threads[1].join(timeout=60)
             assert not threads[1].is_alive(), "the drained generator did not stop"
             start("g1")
-        _wait(lambda: len(buffer.state.ready) == PROMPTS, 120, "the batch's samples")
+        wait_for(
+            lambda: len(buffer.state.ready) == PROMPTS, 120, "the batch's samples", poll_s=0.01
+        )
     finally:
         for worker in workers:
             worker.stop()
@@ -201,7 +198,12 @@ def test_sigusr1_drains_a_generator_process_which_exits_drained(tmp_path, tiny_m
             env=env,
         )
     try:
-        _wait(lambda: buffer.state.counts["tokens_received"] > 0, 120, "g0's first tokens")
+        wait_for(
+            lambda: buffer.state.counts["tokens_received"] > 0,
+            120,
+            "g0's first tokens",
+            poll_s=0.01,
+        )
         proc.send_signal(signal.SIGUSR1)
         code = proc.wait(timeout=60)
     finally:

@@ -34,6 +34,7 @@ from asyncrl.tasks import TaskConfig, build_task
 from asyncrl.tasks.stream import TaskPrompts
 from asyncrl.transport import TransportConfig, make_socket, read_endpoints
 from asyncrl.wire import Chunk, LeaseRequest, WireDecoder, encode
+from tests.runs import wait_for
 
 PREFIX, PREFIX_VERSION, PREFIX_LOGPROB = [11, 12, 13, 14, 15], 7, -0.5
 
@@ -60,14 +61,6 @@ DYING_GENERATOR = textwrap.dedent("""
 
 def _env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-
-
-def _wait(condition, timeout_s: float, what: str) -> None:
-    deadline = time.time() + timeout_s
-    while not condition():
-        if time.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def test_a_killed_generators_partial_sample_is_continued_not_restarted(tmp_path, tiny_model_dir):
@@ -114,7 +107,9 @@ def test_a_killed_generators_partial_sample_is_continued_not_restarted(tmp_path,
         procs.append(dying)
         groups = buffer.state.groups
         slot = lambda: next(iter(groups.values())).slots[0] if groups else None  # noqa: E731
-        _wait(lambda: slot() is not None and len(slot().token_ids) == len(PREFIX), 60, "the prefix")
+        wait_for(
+            lambda: slot() is not None and len(slot().token_ids) == len(PREFIX), 60, "the prefix"
+        )
         dying.send_signal(signal.SIGKILL)
         dying.wait()
         worker = subprocess.Popen(
@@ -131,7 +126,7 @@ def test_a_killed_generators_partial_sample_is_continued_not_restarted(tmp_path,
         )
         procs.append(worker)
         # Scored inline when it finishes: the group is ready for a batch then.
-        _wait(lambda: len(buffer.state.ready) == 1, 120, "the sample to finish")
+        wait_for(lambda: len(buffer.state.ready) == 1, 120, "the sample to finish")
         sample = buffer.batches.batch_for(0, 0, 1)[0]
     finally:
         for p in procs:
@@ -216,7 +211,9 @@ def test_a_sigkilled_buffer_comes_back_with_everything_it_accepted(tmp_path, tin
         push.send(chunk(leases[0], 0, [5, 6]))
         push.send(chunk(leases[1], 0, [7], done=True))
         wal = lambda: b"".join(p.read_bytes() for p in (tmp_path / "buffer_wal").glob("*.wal"))  # noqa: E731
-        _wait(lambda: sum(isinstance(e, Chunked) for e in read_events(wal())) == 2, 60, "the log")
+        wait_for(
+            lambda: sum(isinstance(e, Chunked) for e in read_events(wal())) == 2, 60, "the log"
+        )
         buffer.send_signal(signal.SIGKILL)
         buffer.wait()
         assert not (tmp_path / "buffer_counters.json").exists()  # it had no chance to save
@@ -229,13 +226,13 @@ def test_a_sigkilled_buffer_comes_back_with_everything_it_accepted(tmp_path, tin
         grant = WireDecoder("w").decode(g1.recv())
         # The last sample of the first two prompts: not a lease the dead process issued.
         assert (grant.leases[0].group_id, grant.leases[0].sample_index) == (1, 1)
-        _wait(lambda: "restored" in log.read_text(), 30, "the restore message")
+        wait_for(lambda: "restored" in log.read_text(), 30, "the restore message")
         # The chunk sent after the restart finishes leases[0]'s sample; its reward is logged
         # in the loop turn that applied the chunk and scored any sample the replay left
         # unscored, so once it is in the log the counters below are final.
         key = (leases[0].group_id, leases[0].sample_index)
         segments = lambda: (tmp_path / "buffer_wal").glob("*.wal")  # noqa: E731
-        _wait(
+        wait_for(
             lambda: any(
                 isinstance(e, Rewarded) and tuple(e.key) == key
                 for p in segments()

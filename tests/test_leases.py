@@ -36,6 +36,7 @@ from asyncrl.generator.worker import GeneratorWorker
 from asyncrl.metrics import MetricsConfig
 from asyncrl.transport import TransportConfig, make_socket, read_endpoints
 from asyncrl.wire import Chunk, LeaseRequest, LeaseRevoked, SamplingSpec, WireDecoder, encode
+from tests.runs import wait_for
 
 
 def _prompts(position: int) -> tuple[int, list[int]]:
@@ -296,13 +297,6 @@ def _generating(cfg: RolloutConfig, engine, version: int = 0):
         thread.join(timeout=30)
 
 
-def _wait(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 def test_the_buffer_tells_a_live_holder_and_again_when_it_streams_into_the_lease(tmp_path):
     """The test is the generator: one chunk, then nothing for the lease. The buffer sends
     ``LeaseRevoked`` on the leases socket; a chunk sent after that is counted and answered
@@ -325,7 +319,12 @@ def test_the_buffer_tells_a_live_holder_and_again_when_it_streams_into_the_lease
             assert dealer.poll(30_000), "no LeaseRevoked"
             told.append(decoder.decode(dealer.recv()))
             push.send(encode(_chunk(lease.lease_id, 1 + len(told), [7, 8, 9])))
-        _wait(lambda: server.buffer.state.counts["tokens_revoked_alive"] == 6, 30, "the count")
+        wait_for(
+            lambda: server.buffer.state.counts["tokens_revoked_alive"] == 6,
+            30,
+            "the count",
+            poll_s=0.02,
+        )
     finally:
         server.stop()
         thread.join(timeout=30)
@@ -387,7 +386,9 @@ def test_a_generator_aborts_a_lease_taken_back_for_no_progress(tmp_path):
     two tokens as its prefix; the sample completes with nothing wasted."""
     engine = _StuckFirstEngine()
     with _generating(_config(tmp_path), engine) as (server, worker):
-        _wait(lambda: len(server.buffer.state.ready) == 1, 60, "the sample to complete")
+        wait_for(
+            lambda: len(server.buffer.state.ready) == 1, 60, "the sample to complete", poll_s=0.02
+        )
     first, second = engine.submitted
     assert engine.aborted == [first.request_id] and worker.leases_aborted == 1
     assert not worker.pending
@@ -432,11 +433,13 @@ def test_a_generator_holds_a_lease_until_weights_of_its_min_version_are_in(tmp_p
     once version 1 is staged, flipping it in with a step of its idle engine."""
     engine = _WeightsLateEngine()
     with _generating(_config(tmp_path), engine, version=1) as (server, worker):  # η = 0
-        _wait(lambda: len(worker.desk.held) == 2, 30, "two leases granted and held")
+        wait_for(lambda: len(worker.desk.held) == 2, 30, "two leases granted and held", poll_s=0.02)
         time.sleep(0.5)
         assert engine.submitted == [] and len(worker.desk.held) == 2
         engine.staged = 1
-        _wait(lambda: len(server.buffer.state.ready) == 2, 60, "both samples to complete")
+        wait_for(
+            lambda: len(server.buffer.state.ready) == 2, 60, "both samples to complete", poll_s=0.02
+        )
     assert worker.desk.held == []
     assert engine.versions_at_submit == [1, 1]
     for group in server.buffer.state.groups.values():

@@ -19,8 +19,8 @@ from asyncrl.config import ConfigError
 from asyncrl.engine.embedded import EmbeddedEngineConfig
 from asyncrl.generator.lent import Gate, LentWorker
 from asyncrl.stages.rl_config import RLExperiment
+from tests.runs import assert_books_balance, run_short_grpo, trained_steps
 from tests.test_drain import PROMPTS, _config, _CountingEngine, _generate, _prompts
-from tests.test_elastic_launch import _trained, assert_books_balance, run_short_grpo
 
 
 class _TimedEngine(_CountingEngine):
@@ -110,7 +110,7 @@ def test_a_trainer_generating_while_it_waits_feeds_the_buffer_through_the_launch
     token wasted."""
     run_dir = tmp_path / "run"
     run_short_grpo(run_dir, tiny_model_dir, "rl.max_steps=40", "generate_while_waiting=true")
-    assert _trained(run_dir) == 40
+    assert trained_steps(run_dir) == 40
     assert_lent_drained(run_dir)
 
 

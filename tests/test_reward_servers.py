@@ -25,7 +25,14 @@ from asyncrl.config import ConfigError, save_json
 from asyncrl.liveness import EXIT_DRAINED
 from asyncrl.metrics import read_metrics
 from asyncrl.models import ModelConfig, load_model
-from tests.test_elastic_launch import _trained, _wait, run_then_stop
+from tests.runs import (
+    assert_books_balance,
+    records,
+    run_then_stop,
+    short_grpo_command,
+    trained_steps,
+    wait_for,
+)
 
 
 def _config(tmp_path: Path, rm_path: str, batch: int = 4, timeout_s: float = 6.0):
@@ -203,8 +210,7 @@ def test_an_rl_run_starts_its_reward_servers_as_processes_of_their_own(tmp_path)
 
 def _servers_known(run_dir: Path) -> float:
     """The reward servers the buffer knows, in its latest metrics."""
-    records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
-    known = [r["buffer/reward_model_servers"] for r in records if r["process"] == "buffer"]
+    known = [r["buffer/reward_model_servers"] for r in records(run_dir) if r["process"] == "buffer"]
     return known[-1] if known else 0.0
 
 
@@ -216,48 +222,40 @@ def test_a_reward_server_joins_and_leaves_a_running_run_losing_nothing(
     restarted, and the run trains on. Every finished sample was scored once, none as an
     error, none sent again."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "launch/local.py", "experiments/tiny_grpo.py", f"run_dir={run_dir}"]
-    cmd += [
-        f"model.path={tiny_model_dir}",
+    cmd = short_grpo_command(
+        run_dir,
+        tiny_model_dir,
         "rl.max_steps=1000000",
         "time_limit_s=600",  # bounds a broken run only: the test stops it
-        "eval.every_steps=0",
-        "task.train_size=200",
-        "buffer.prompts_per_batch=2",
-        "buffer.samples_per_prompt=4",
-        "buffer.dynamic_sampling=false",
         "reward.source=model",
         f"reward.model_path={rm_dir}",
         "reward.model_servers=1",
         "reward.model_batch_size=4",
         "metrics.interval_s=0.5",
-        "metrics.tensorboard=false",
-    ]
+    )
     control = run_dir / "control" / "rewards"
 
     def steps(lines: list[str]) -> None:
-        _wait(lambda: _trained(run_dir) >= 2, 120, "a trained step")
+        wait_for(lambda: trained_steps(run_dir) >= 2, 120, "a trained step", 0.2)
         control.write_text("2\n")
-        _wait(lambda: _servers_known(run_dir) == 2, 60, "reward_1 to ask for work")
-        after = _trained(run_dir)
-        _wait(lambda: _trained(run_dir) >= after + 5, 120, "steps with two reward servers")
+        wait_for(lambda: _servers_known(run_dir) == 2, 60, "reward_1 to ask for work", 0.2)
+        after = trained_steps(run_dir)
+        wait_for(lambda: trained_steps(run_dir) >= after + 5, 120, "steps with two servers", 0.2)
         control.write_text("1\n")
-        _wait(lambda: any("reward_1 left the run" in line for line in lines), 120, "reward_1 to go")
-        after = _trained(run_dir)
-        _wait(lambda: _trained(run_dir) >= after + 5, 120, "steps after reward_1 left")
+        wait_for(
+            lambda: any("reward_1 left the run" in x for x in lines), 120, "reward_1 to go", 0.2
+        )
+        after = trained_steps(run_dir)
+        wait_for(lambda: trained_steps(run_dir) >= after + 5, 120, "steps after reward_1 left", 0.2)
 
     code, out = run_then_stop(cmd, steps)
     assert code == 130, out[-3000:]
     assert "rewards: draining reward_1 (wanted: 1)" in out and "restart" not in out, out[-3000:]
     scored_by_1 = (run_dir / "logs" / "reward_1.log").read_text()
     assert " sequences scored" in scored_by_1 and "r1: 0 sequences" not in scored_by_1
-    c = json.loads((run_dir / "buffer_counters.json").read_text())
+    c = assert_books_balance(run_dir)
     assert c["buffer/samples_scored"] == c["buffer/reward_model_scored"] > 0, c
     assert c["buffer/reward_model_errors"] == 0 and c["buffer/reward_model_late_results"] == 0
-    ended = sum(
-        c.get(f"buffer/samples_{k}", 0) for k in ("consumed", "stale", "filtered", "failed")
-    )
-    assert c["buffer/samples_created"] == ended + c["buffer/in_flight_samples"], c
     logged = [r for r in read_metrics(run_dir) if "buffer/reward_model_latency_s" in r]
     assert logged and max(r["buffer/reward_model_servers"] for r in logged) == 2
 

@@ -20,8 +20,7 @@ import pytest
 from asyncrl.launcher.prepare import stage_chain
 from asyncrl.metrics import read_metrics
 from asyncrl.models import ModelConfig, load_model
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.runs import ROOT, short_grpo_command, trained_steps, wait_for
 
 
 @pytest.mark.parametrize("max_staleness", ["2", pytest.param("0", marks=pytest.mark.slow)])
@@ -29,24 +28,17 @@ def test_launcher_runs_tiny_grpo(tmp_path, tiny_model_dir, max_staleness):
     """η = 2 also runs the KL-to-reference and entropy terms and checks the HF export."""
     run_dir = tmp_path / "run"
     extra = ["rl.loss.kl_coef=0.05", "rl.loss.entropy_coef=0.01"] if max_staleness == "2" else []
-    cmd = [
-        sys.executable,
-        "launch/local.py",
-        "experiments/tiny_grpo.py",
-        f"run_dir={run_dir}",
-        f"model.path={tiny_model_dir}",
+    cmd = short_grpo_command(
+        run_dir,
+        tiny_model_dir,
         "rl.max_steps=4",
         "eval.every_steps=2",
         "eval.num_examples=8",
-        "task.train_size=200",
-        "buffer.prompts_per_batch=2",
-        "buffer.samples_per_prompt=4",
-        "buffer.dynamic_sampling=false",
         f"buffer.max_staleness={max_staleness}",
-        "engine.embedded.max_slots=8",
-        "transport.heartbeat_s=0.2",
+        "metrics.tensorboard=true",  # the generator's own board is checked
         "num_generators=2",
-    ] + extra
+        *extra,
+    )
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -145,40 +137,19 @@ def test_a_killed_generator_is_restarted_and_catches_up(tmp_path, tiny_model_dir
     and the run finishes every step (without the republish it would wait forever)."""
     run_dir = tmp_path / "run"
     steps = 10
-    cmd = [
-        sys.executable,
-        "launch/local.py",
-        "experiments/tiny_grpo.py",
-        f"run_dir={run_dir}",
-        f"model.path={tiny_model_dir}",
+    cmd = short_grpo_command(
+        run_dir,
+        tiny_model_dir,
         f"rl.max_steps={steps}",
-        "eval.every_steps=0",
-        "task.train_size=200",
         "task.rl_split=train",
-        "buffer.prompts_per_batch=2",
-        "buffer.samples_per_prompt=4",
-        "buffer.dynamic_sampling=false",
         "buffer.max_staleness=1",
-        "engine.embedded.max_slots=8",
-        "transport.heartbeat_s=0.2",
         "num_generators=1",
-    ]
+    )
     launcher = subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            trained = (
-                [r["step"] for r in read_metrics(run_dir) if "train/loss" in r]
-                if (run_dir / "metrics.jsonl").exists()
-                else []
-            )
-            if trained and max(trained) >= 3:
-                break
-            time.sleep(0.2)
-        else:
-            pytest.fail("the trainer never reached step 3")
+        wait_for(lambda: trained_steps(run_dir) >= 3, 120, "the trainer's step 3", 0.2)
         pids = subprocess.run(
             ["pgrep", "-f", f"asyncrl.generator.worker --config {run_dir}/"],
             capture_output=True,
@@ -220,20 +191,13 @@ def test_sigterm_to_the_launcher_stops_every_process(tmp_path, tiny_model_dir):
     """A batch system (or ``kill``) ends a run with SIGTERM: the launcher stops the buffer,
     the generator and the trainer too, instead of leaving them running."""
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "launch/local.py",
-        "experiments/tiny_grpo.py",
-        f"run_dir={run_dir}",
-        f"model.path={tiny_model_dir}",
+    cmd = short_grpo_command(
+        run_dir,
+        tiny_model_dir,
         "rl.max_steps=100000",
-        "eval.every_steps=0",
-        "task.train_size=200",
+        "time_limit_s=600",  # the test stops it
         "task.rl_split=train",
-        "buffer.prompts_per_batch=2",
-        "buffer.samples_per_prompt=4",
-        "engine.embedded.max_slots=8",
-    ]
+    )
     launcher = subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from asyncrl.metrics import read_metrics
+from tests.runs import assert_drained_and_balanced
 from tests.test_chaos import CHAOS_RUN, assert_repaired_and_balanced, launcher_output, run_chaos
-from tests.test_elastic_launch import assert_drained_and_balanced
 from tests.test_slurm_script import dry_run_here
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,12 +9,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 from asyncrl.launcher.pool import RolePool
 from asyncrl.launcher.supervise import Supervised, supervise
 from asyncrl.liveness import EXIT_DRAINED
+from tests.runs import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -141,13 +141,13 @@ def test_the_pool_starts_and_drains_generators_as_the_control_file_says(tmp_path
     )
     thread.start()
     try:
-        _wait_for(lambda: (seen / "g0").exists(), "generator_0")
+        wait_for(lambda: (seen / "g0").exists(), 60, "generator_0")
         pool.path.write_text("2\n")
-        _wait_for(lambda: (seen / "g1").exists(), "a second generator")
+        wait_for(lambda: (seen / "g1").exists(), 60, "a second generator")
         pool.path.write_text("1\n")
-        _wait_for(lambda: procs[-1].left, "the second generator to leave")
+        wait_for(lambda: procs[-1].left, 60, "the second generator to leave")
         pool.path.write_text("lots\n")
-        _wait_for(lambda: pool.refused == "lots", "the bad value to be seen")
+        wait_for(lambda: pool.refused == "lots", 60, "the bad value to be seen")
     finally:
         done.touch()
         thread.join(timeout=60)
@@ -163,10 +163,3 @@ def test_the_pool_starts_and_drains_generators_as_the_control_file_says(tmp_path
     ]
     assert (logs / "generator_1.log").exists()
     assert "'lots' is not a number of generators" in capfd.readouterr().err
-
-
-def _wait_for(condition, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)

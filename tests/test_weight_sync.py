@@ -28,6 +28,7 @@ from asyncrl.weights import codec
 from asyncrl.weights.receiver import NeedAnchor, WeightsReceiver
 from asyncrl.weights.sender import BucketPublisher
 from asyncrl.wire import WeightsBucket
+from tests.runs import wait_for
 
 
 def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
@@ -44,13 +45,6 @@ def _params(model: torch.nn.Module) -> FullParameters:
     return FullParameters.of({n: p.detach() for n, p in model.named_parameters()})
 
 
-def _wait(predicate, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
 def _sync_run(tmp_path, model_dir, weights: WeightSyncConfig, versions: int, corrupt=None):
     """Publish ``versions`` versions, a training step before each, into a generator's
     intake and engine; returns (trainer model, engine, intake, publisher)."""
@@ -63,7 +57,9 @@ def _sync_run(tmp_path, model_dir, weights: WeightSyncConfig, versions: int, cor
     intake = WeightsIntake(cfg, "g0", engine, GeneratorStats(), ctx, stop)
     try:
         publisher.publish(0, _params(trainer))  # the lineage's first: an anchor
-        _wait(lambda: engine.status().staged_version == 0 or intake.receiver.version == 0)
+        wait_for(
+            lambda: engine.status().staged_version == 0 or intake.receiver.version == 0, poll_s=0.02
+        )
         for version in range(1, versions + 1):
             _train(trainer, optimizer, version)
             if corrupt is not None and version == corrupt:
@@ -71,9 +67,9 @@ def _sync_run(tmp_path, model_dir, weights: WeightSyncConfig, versions: int, cor
             publisher.publish(version, _params(trainer))
             publisher.wait_sent()
             time.sleep(0.05)  # let the intake keep up, as a training step would
-        _wait(lambda: intake.receiver.version == versions and intake.lineage)
+        wait_for(lambda: intake.receiver.version == versions and intake.lineage, poll_s=0.02)
         engine.step()  # flips to the staged version at the step boundary
-        _wait(lambda: _flipped(engine, versions))
+        wait_for(lambda: _flipped(engine, versions), poll_s=0.02)
     finally:
         stop.set()
         intake.join(timeout=5)
@@ -272,12 +268,12 @@ def test_a_generator_that_joins_between_anchors_asks_for_one(tmp_path, tiny_mode
             publisher.publish(version, _params(trainer))
             publisher.wait_sent()  # the trainer's core would wait for the read before a step
         intake = WeightsIntake(cfg, "g0", engine, GeneratorStats(), ctx, stop)
-        _wait(lambda: intake.receiver.version == 2)
+        wait_for(lambda: intake.receiver.version == 2, poll_s=0.02)
         assert publisher.anchors_requested >= 1
         _train(trainer, optimizer, 3)
         publisher.publish(3, _params(trainer))  # a delta on top of the anchor it got
-        _wait(lambda: intake.receiver.version == 3)
-        _wait(lambda: _flipped(engine, 3))
+        wait_for(lambda: intake.receiver.version == 3, poll_s=0.02)
+        wait_for(lambda: _flipped(engine, 3), poll_s=0.02)
     finally:
         stop.set()
         if intake is not None:
@@ -336,15 +332,18 @@ def test_a_generator_follows_a_restarted_trainer(tmp_path, tiny_model_dir):
     intake = WeightsIntake(cfg, "g0", engine, GeneratorStats(), ctx, stop)
     second = None
     try:
-        _wait(lambda: intake.receiver.version == 5)
+        wait_for(lambda: intake.receiver.version == 5, poll_s=0.02)
         first.close()  # the trainer dies; its successor resumes from version 2
         second = BucketPublisher(cfg.site())
         for version in (2, 3, 4):
             _train(trainer, optimizer, version)
             second.publish(version, _params(trainer))
             second.wait_sent()
-        _wait(lambda: (intake.receiver.lineage, intake.receiver.version) == (second.lineage, 4))
-        _wait(lambda: _flipped(engine, 4))
+        wait_for(
+            lambda: (intake.receiver.lineage, intake.receiver.version) == (second.lineage, 4),
+            poll_s=0.02,
+        )
+        wait_for(lambda: _flipped(engine, 4), poll_s=0.02)
     finally:
         stop.set()
         intake.join(timeout=5)
