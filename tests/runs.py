@@ -17,7 +17,9 @@ from asyncrl.metrics import read_metrics
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def wait_for(condition, timeout_s: float = 30.0, what: str = "the condition", poll_s=0.05):
+def wait_for(
+    condition, timeout_s: float = 30.0, what: str = "the condition", poll_s: float = 0.05
+) -> None:
     """Poll ``condition()`` until it holds; fail naming ``what`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while not condition():
