@@ -141,6 +141,7 @@ def test_a_killed_generator_is_restarted_and_catches_up(tmp_path, tiny_model_dir
         run_dir,
         tiny_model_dir,
         f"rl.max_steps={steps}",
+        "time_limit_s=600",  # the test waits up to 360 s; the limit only bounds a broken run
         "task.rl_split=train",
         "buffer.max_staleness=1",
         "num_generators=1",

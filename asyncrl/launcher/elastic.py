@@ -18,9 +18,10 @@ they were read, since each process's ``time`` counts from its own start):
   timed by the buffer's own clock, is their busy share).
 
 Every check is logged as process ``controller`` (``elastic/generators``,
-``elastic/reward_servers``, ``elastic/lending``, the signals, and ``elastic/move`` or
-``elastic/reward_move`` on a move), so TensorBoard and ``tools/run_report.py`` show the
-roles over time; a move is also said, with its reason, on the launcher's output.
+``elastic/reward_servers``, ``elastic/lending``, the signals, and ``elastic/move``,
+``elastic/reward_move`` or ``elastic/lending_move`` on a move), so TensorBoard and
+``tools/run_report.py`` show the roles over time; a move is also said, with its reason,
+on the launcher's output.
 """
 
 from __future__ import annotations
