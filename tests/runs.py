@@ -43,10 +43,23 @@ def generated_by(run_dir: Path, process: str) -> float:
     )
 
 
+# A short asynchronous run of the tiny model: small batches, no evaluation, no
+# TensorBoard, fast heartbeats.
+SHORT_GRPO = [
+    "eval.every_steps=0",
+    "task.train_size=200",
+    "buffer.prompts_per_batch=2",
+    "buffer.samples_per_prompt=4",
+    "buffer.dynamic_sampling=false",
+    "engine.embedded.max_slots=8",
+    "transport.heartbeat_s=0.2",
+    "metrics.tensorboard=false",
+]
+
+
 def short_grpo_command(run_dir: Path, model_dir: str, *overrides: str) -> list[str]:
-    """``tiny_grpo`` through the local launcher with small batches, no evaluation, no
-    TensorBoard, fast heartbeats, bounded at 300 s; ``overrides`` come last and win (the
-    step count among them)."""
+    """``tiny_grpo`` through the local launcher as ``SHORT_GRPO``, bounded at 300 s;
+    ``overrides`` come last and win (the step count among them)."""
     return [
         sys.executable,
         "launch/local.py",
@@ -54,14 +67,7 @@ def short_grpo_command(run_dir: Path, model_dir: str, *overrides: str) -> list[s
         f"run_dir={run_dir}",
         f"model.path={model_dir}",
         "time_limit_s=300",  # bounds a broken run
-        "eval.every_steps=0",
-        "task.train_size=200",
-        "buffer.prompts_per_batch=2",
-        "buffer.samples_per_prompt=4",
-        "buffer.dynamic_sampling=false",
-        "engine.embedded.max_slots=8",
-        "transport.heartbeat_s=0.2",
-        "metrics.tensorboard=false",
+        *SHORT_GRPO,
         *overrides,
     ]
 

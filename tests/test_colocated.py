@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from asyncrl.trainer.config import OptimConfig, TrainerConfig
 from asyncrl.trainer.core import TrainerCore
 from asyncrl.trainer.packing import make_micro_batches
 from asyncrl.wire import SamplingSpec
+from tests.runs import short_grpo_command
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS, GROUP = 3, 4
@@ -161,23 +161,9 @@ def test_colocated_says_it_sets_the_staleness_bound_to_zero(tmp_path, caplog):
 
 def test_launcher_runs_tiny_grpo_colocated(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "launch/local.py",
-        "experiments/tiny_grpo.py",
-        "placement=colocated",
-        f"run_dir={run_dir}",
-        f"model.path={tiny_model_dir}",
-        "rl.max_steps=3",
-        "eval.every_steps=0",
-        "task.train_size=200",
-        "buffer.prompts_per_batch=2",
-        "buffer.samples_per_prompt=4",
-        "buffer.dynamic_sampling=false",
-        "engine.embedded.max_slots=8",
-        "metrics.tensorboard=false",
-        "rl.overlong_filter=true",
-    ]
+    cmd = short_grpo_command(
+        run_dir, tiny_model_dir, "placement=colocated", "rl.max_steps=3", "rl.overlong_filter=true"
+    )
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3

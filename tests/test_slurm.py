@@ -23,23 +23,13 @@ from pathlib import Path
 import pytest
 
 from asyncrl.metrics import read_metrics
-from tests.runs import assert_drained_and_balanced
+from tests.runs import SHORT_GRPO, assert_drained_and_balanced
 from tests.test_chaos import CHAOS_RUN, assert_repaired_and_balanced, launcher_output, run_chaos
 from tests.test_slurm_script import dry_run_here
 
 ROOT = Path(__file__).resolve().parents[1]
-# A short asynchronous run of the tiny model, as tests/test_rl_launch.py runs it locally.
-SHORT_RUN = [
-    "eval.every_steps=0",
-    "task.train_size=200",
-    "buffer.prompts_per_batch=2",
-    "buffer.samples_per_prompt=4",
-    "buffer.dynamic_sampling=false",
-    "engine.embedded.max_slots=8",
-    "transport.heartbeat_s=0.2",
-    "metrics.tensorboard=false",
-    "num_generators=1",
-]
+# The short asynchronous run of the tiny model that the local launcher tests run.
+SHORT_RUN = [*SHORT_GRPO, "num_generators=1"]
 
 
 @pytest.fixture(scope="session")
