@@ -17,14 +17,14 @@ from asyncrl.metrics import read_metrics
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def wait_for(
-    condition, timeout_s: float = 30.0, what: str = "the condition", poll_s: float = 0.05
-) -> None:
-    """Poll ``condition()`` until it holds; fail naming ``what`` after ``timeout_s``."""
+def wait_for(condition, timeout_s: float = 30.0, what: str = "the condition", poll_s: float = 0.05):
+    """Poll ``condition()`` until it returns something true, and return that; fail naming
+    ``what`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    while not condition():
+    while not (value := condition()):
         assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s waiting for {what}"
         time.sleep(poll_s)
+    return value
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -126,3 +126,11 @@ def assert_drained_and_balanced(run_dir: Path, worker: str) -> None:
     assert left["tokens"] > 0 and left["leases_handed_back"] is not None
     c = assert_books_balance(run_dir)
     assert c.get("buffer/leases_revoked_drained", 0) == left["leases_handed_back"]
+
+
+def assert_lent_drained(run_dir: Path) -> None:
+    """The trainer's lent generator ``lent0`` sent tokens and was drained at the end, and
+    the buffer's books balance."""
+    lent = json.loads((run_dir / "generator_lent0_summary.json").read_text())
+    assert lent["tokens"] > 0 and lent["leases_handed_back"] is not None, lent
+    assert_books_balance(run_dir)

@@ -5,7 +5,6 @@ generator's tokens reach the buffer and its books balance."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from dataclasses import replace
@@ -19,7 +18,7 @@ from asyncrl.config import ConfigError
 from asyncrl.engine.embedded import EmbeddedEngineConfig
 from asyncrl.generator.lent import Gate, LentWorker
 from asyncrl.stages.rl_config import RLExperiment
-from tests.runs import assert_books_balance, run_short_grpo, trained_steps
+from tests.runs import assert_lent_drained, run_short_grpo, trained_steps
 from tests.test_drain import PROMPTS, _config, _CountingEngine, _generate, _prompts
 
 
@@ -112,11 +111,3 @@ def test_a_trainer_generating_while_it_waits_feeds_the_buffer_through_the_launch
     run_short_grpo(run_dir, tiny_model_dir, "rl.max_steps=40", "generate_while_waiting=true")
     assert trained_steps(run_dir) == 40
     assert_lent_drained(run_dir)
-
-
-def assert_lent_drained(run_dir) -> None:
-    """The trainer's lent generator ``lent0`` sent tokens and was drained at the end, and
-    the buffer's books balance."""
-    lent = json.loads((run_dir / "generator_lent0_summary.json").read_text())
-    assert lent["tokens"] > 0 and lent["leases_handed_back"] is not None, lent
-    assert_books_balance(run_dir)

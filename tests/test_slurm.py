@@ -17,13 +17,14 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 from asyncrl.metrics import read_metrics
 from tests.runs import SHORT_GRPO, assert_drained_and_balanced
+from tests.runs import wait_for as _wait_for
 from tests.test_chaos import CHAOS_RUN, assert_repaired_and_balanced, launcher_output, run_chaos
 from tests.test_slurm_script import dry_run_here
 
@@ -121,14 +122,8 @@ def submit(tmp_path: Path, model_dir: str, *overrides: str) -> tuple[str, Path]:
     return job.group(1), run_dir
 
 
-def wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.5):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(poll_s)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+# squeue and the metrics file: twice a second is often enough.
+wait_for = partial(_wait_for, poll_s=0.5)
 
 
 def job_gone(job: str) -> bool:
