@@ -16,8 +16,8 @@ import pytest
 from asyncrl.elastic import Controller, ElasticConfig
 from asyncrl.sim import SimConfig, SimParams
 from asyncrl.sim.buffer import SimBuffer
-from asyncrl.sim.elastic import ElasticSimulation, MoveCosts, Phases
-from asyncrl.sim.elastic_study import OneMove, study
+from asyncrl.sim.elastic import ClusterRun, ElasticSimulation, MoveCosts, Phases
+from asyncrl.sim.elastic_study import OneMove, per_step_bound, study
 from asyncrl.sim.gpu import GpuSpec, Workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,11 +81,22 @@ def test_the_study_compares_the_controller_with_every_fixed_split():
     )
     one = result["one_move_to_best"]
     assert one["gain_over_best_fixed"] == pytest.approx(best / one["time_s"] - 1, abs=0.01)
+    bound = result["per_step_bound"]  # no run can beat each step's best split
+    assert bound["time_s"] <= min(r["time_s"] for r in result["fixed"].values())
+    assert bound["gain_over_best_fixed"] == pytest.approx(best / bound["time_s"] - 1, abs=0.01)
     some = study(SMALL, GpuSpec(), (4, 8), PHASES, COSTS, CONTROL, compared=(2, 3))
     assert set(some["fixed"]) == {"2", "3"} and some["fixed"]["2"] == result["fixed"]["2"]
     assert some["elastic"] == result["elastic"]  # the controller's run is the same
     with pytest.raises(ValueError, match=r"splits \[4\] are not possible here: \[1, 2, 3\]"):
         study(SMALL, GpuSpec(), (4, 8), PHASES, COSTS, CONTROL, compared=(3, 4))
+
+
+def test_the_per_step_bound_takes_each_step_at_its_fastest_split():
+    def run(*ends: float) -> ClusterRun:
+        return ClusterRun(False, ends[-1], 0, [], {}, 0.0, step_ends_s=list(ends))
+
+    # steps of 10, 10, 10 s against 5, 20, 5 s: the bound takes 5 + 10 + 5
+    assert per_step_bound({(1, 0): run(10, 20, 30), (2, 0): run(5, 25, 30)}) == 20
 
 
 def elastic_cli(*extra: str) -> dict:

@@ -110,6 +110,8 @@ class ClusterRun:
     """Seconds the trainer spent restarting for moves."""
     judge_busy: float | None = None
     """The judge's busy share over the run (None: no judge)."""
+    step_ends_s: list[float] = dataclasses.field(default_factory=list)
+    """When each trainer step ended, in order."""
 
     @property
     def trained_tokens_per_s(self) -> float:
@@ -339,6 +341,7 @@ class ElasticSimulation(Simulation):
             seconds_at=dict(sorted(self.seconds_at.items())),
             resize_s=self.resize_s,
             judge_busy=self._judge_busy(),
+            step_ends_s=[end for end, _ in self.trainer.step_ends],
         )
 
     def _judge_busy(self) -> float | None:
