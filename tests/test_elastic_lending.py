@@ -166,7 +166,10 @@ def test_an_elastic_run_lends_the_trainer_s_waits_through_the_launcher(tmp_path,
     output = run_short_grpo(
         run_dir,
         tiny_model_dir,
-        "rl.max_steps=150",  # some 20 s of training: two windows, then lending
+        # A time, not a step count: the controller lends after two windows and a trend
+        # (some 16 s); a step count can end sooner (150 steps: 9 s on an unloaded machine).
+        "rl.max_steps=100000",
+        "time_limit_s=30",
         "buffer.max_staleness=0",
         "placement=elastic",
         "elastic.max_generators=1",
