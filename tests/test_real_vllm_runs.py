@@ -16,6 +16,8 @@ import urllib.request
 from pathlib import Path
 from subprocess import PIPE, STDOUT
 
+import pytest
+
 from asyncrl.engine.servers import die_with_parent
 
 from .real_vllm import VLLM_PYTHON, real_vllm, restore_server, vllm_server, wait_until
@@ -111,6 +113,7 @@ def server_pid(run_dir: Path) -> int:
     return int(out.stdout.split()[0])
 
 
+@pytest.mark.slow  # two minutes; CI restarts a killed server in tests/test_server_watch.py
 def test_a_launched_real_vllm_killed_mid_run_is_restarted(vllm_models, tmp_path):
     """The generator's launched server is SIGKILLed after the first steps: the engine
     launches it again on its port, its requests go on there, it gets the newest weights
@@ -136,6 +139,7 @@ def test_a_launched_real_vllm_killed_mid_run_is_restarted(vllm_models, tmp_path)
     assert figures["mismatch_abs_logprob_diff_max"] < 1e-3, figures
 
 
+@pytest.mark.slow  # CI has the same end in tests/test_server_watch.py, against the double
 def test_an_attached_real_vllm_that_stays_down_stops_the_run(vllm_models, tmp_path):
     """An attached server killed mid-run and never back: its generator logs it with the
     URL every few seconds, and ``dead_after_s`` after it went away the run stops with an

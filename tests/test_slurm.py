@@ -165,7 +165,7 @@ def job_output(run_dir: Path, job: str) -> str:
 
 
 @pytest.mark.slurm
-@pytest.mark.slow  # CI submits a job in the repair test below
+@pytest.mark.slow  # CI submits a job in the join-and-leave test below
 def test_submitted_tiny_grpo_trains_and_ends_cleanly(tmp_path, tiny_model_dir, slurm_cluster):
     # transport.host=* is what a multi-node job gets: TCP on every interface, found by hostname.
     job, run_dir = submit(
@@ -241,6 +241,7 @@ def test_frozen_generator_restarts_and_scancel_stops_everything(
 
 
 @pytest.mark.slurm
+@pytest.mark.slow  # about two minutes; CI repairs kills in tests/test_chaos.py's local run
 def test_a_slurm_job_repairs_killed_generator_buffer_and_trainer_losing_nothing(
     tmp_path, tiny_model_dir, slurm_cluster
 ):
