@@ -2,8 +2,9 @@
 every fixed split of the same slots, and against one move to the best of them at the
 controller's first look (``OneMove``: the bound of any controller that must see the run
 before it moves), and against ``per_step_bound`` (each step at its own best split, moves
-free: what following the phases could gain at most). Each run is an ``asyncrl.sim.elastic.ElasticSimulation`` of the same
-workload and phases; ``tools/simulate.py elastic`` is its command line."""
+free: what following the phases could gain at most). Each run is an
+``asyncrl.sim.elastic.ElasticSimulation`` of the same workload and phases;
+``tools/simulate.py elastic`` is its command line."""
 
 from __future__ import annotations
 
@@ -120,8 +121,9 @@ def _placements(
 
 def per_step_bound(fixed: dict[Split, ClusterRun]) -> float:
     """Seconds to finish the run were each step trained at the fixed split that trained it
-    fastest, moves free: the most any controller could gain by following the phases
-    (each step's time from the step before it ended, the same steps in every run)."""
+    fastest, moves free: the most a controller could gain by following the phases, up
+    to how steps overlap (each step's time from the step before it ended; every run
+    trains the same steps)."""
     durations = [
         [end - before for before, end in zip([0.0, *r.step_ends_s], r.step_ends_s)]
         for r in fixed.values()
