@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import ConfigError, apply_overrides, load_experiment
-from asyncrl.elastic import (
-    Controller,
-    ElasticConfig,
+from asyncrl.elastic import Controller, ElasticConfig
+from asyncrl.elastic_signals import (
     Signals,
     StepRecord,
     balanced,

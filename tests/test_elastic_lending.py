@@ -20,7 +20,8 @@ from asyncrl.buffer.core import RolloutBuffer
 from asyncrl.buffer.scoring import InlineScoring
 from asyncrl.buffer.server import BufferServer
 from asyncrl.config import ConfigError
-from asyncrl.elastic import LENDING, Controller, ElasticConfig, Signals
+from asyncrl.elastic import LENDING, Controller, ElasticConfig
+from asyncrl.elastic_signals import Signals
 from asyncrl.generator.lent import LendingSource
 from asyncrl.launcher import elastic as elastic_loop
 from asyncrl.launcher.elastic import ElasticLoop

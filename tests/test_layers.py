@@ -175,7 +175,8 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
     for name, members in (
         (
             "foundations",
-            "wire security seeds metrics report background balance config liveness elastic",
+            "wire security seeds metrics report background balance config liveness elastic "
+            "elastic_signals",
         ),
         ("transport", "transport process_groups"),
         ("models and data", "models logprobs chat_tokenizers shapes random_models tasks image"),

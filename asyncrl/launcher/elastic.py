@@ -33,15 +33,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from asyncrl.config import from_dict
-from asyncrl.elastic import (
-    LENDING,
-    Controller,
-    ElasticConfig,
-    Move,
-    Signals,
-    StepRecord,
-    signals,
-)
+from asyncrl.elastic import LENDING, Controller, ElasticConfig, Move
+from asyncrl.elastic_signals import Signals, StepRecord, signals
 from asyncrl.launcher.pool import GENERATORS, REWARDS, Role, RolePool, role_pools
 from asyncrl.launcher.supervise import Supervised, say
 from asyncrl.liveness import LendSwitch

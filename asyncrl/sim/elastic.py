@@ -41,7 +41,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.elastic import Controller, Move, Signals, StepRecord, signals
+from asyncrl.elastic import Controller, Move
+from asyncrl.elastic_signals import Signals, StepRecord, signals
 from asyncrl.sim.buffer import SimBuffer
 from asyncrl.sim.gpu import (
     GpuSpec,

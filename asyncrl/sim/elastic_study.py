@@ -13,7 +13,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from asyncrl.elastic import Controller, ElasticConfig, Move, Signals
+from asyncrl.elastic import Controller, ElasticConfig, Move
+from asyncrl.elastic_signals import Signals
 from asyncrl.sim.elastic import ClusterRun, ElasticSimulation, MoveCosts, Phases
 from asyncrl.sim.gpu import GpuSpec, Workload, min_trainer_gpus
 from asyncrl.sim.scoring import Judge
