@@ -20,7 +20,10 @@ The rule, one move at a time:
   server given back at the first quiet look is taken again at the next burst;
 - the trainer waits for batches otherwise: generation is the bottleneck, so one
   generator more, or up to ``max_step`` more toward the split where generation would
-  keep the trainer busy (``balanced``);
+  keep the trainer busy (``balanced``); where generators and trainer share slots, only
+  if the whole split its signals predict trains most lies above this one (below it, the
+  trainer waits for the batches' slowest sequences, and a slot taken from it slows
+  training more than a generator more speeds supply);
 - with ``lend_waits``, the trainer waits and no generator more can be added (at
   ``max_generators``, or after an undo, or a move that could not repay): its waits are
   lent to a generator on its own cores (``generate_while_waiting``), the colocated
@@ -36,7 +39,8 @@ The rule, one move at a time:
   trainer_slots``), and that share of a dwell must reach ``move_cost_s``. Near the best
   split of many slots a one-slot move cannot repay a restart, whatever the idle share
   says (the trainer still waits for batches there, between long-tail sequences);
-- nothing moves within ``dwell_s`` of the last move. Then the move is judged on what the
+- nothing moves within a dwell of the last move (``dwell_s``, stretched to hold
+  ``dwell_steps`` trainer steps where steps grow long). Then the move is judged on what the
   run is for, trained tokens/s, against what they would have been without it: their
   level before the move carried on along their trend over the dwell before it (the
   workload drifts while a move runs: responses grow, dynamic sampling drops more groups
@@ -79,6 +83,13 @@ class ElasticConfig:
     """Least time between two moves; also how long a move runs before it is judged."""
     window_s: float = 30.0
     """The signals are averaged over this much of the latest run time."""
+    window_steps: int = 2
+    """The window also holds at least this many trainer steps: where steps grow longer
+    than the window (responses lengthen over a run), it stretches to them, so a
+    window's figures never rest on one step."""
+    dwell_steps: int = 5
+    """A dwell also lasts at least this many trainer steps (at the window's seconds per
+    step): a move is judged on steps made after it, whatever a step takes by then."""
     trainer_idle_high: float = 0.25
     """The trainer's share of time spent waiting for batches above which generation is
     the bottleneck."""
@@ -136,6 +147,11 @@ class ElasticConfig:
                 f"elastic.window_s={self.window_s:g} must be above 0 and at most "
                 f"elastic.dwell_s={self.dwell_s:g}: a move is judged on a window after it"
             )
+        if not 1 <= self.window_steps <= self.dwell_steps:
+            raise ValueError(
+                f"elastic.window_steps={self.window_steps} must be at least 1 and at most "
+                f"elastic.dwell_steps={self.dwell_steps}: a move is judged on a window after it"
+            )
         rlo, rhi = self.min_reward_servers, self.max_reward_servers
         if reward_servers and not 1 <= rlo <= reward_servers <= rhi:
             raise ValueError(
@@ -174,14 +190,19 @@ class Controller:
         self.judging: tuple[Move, float, float, float] | None = None
         self.blocked_until: dict[tuple[str, int], float] = {}  # (role, sign) -> time
         self.seen: deque[tuple[float, float]] = deque()  # (time, trained tokens/s)
+        # The window and dwell in seconds now: the configured ones, stretched to hold
+        # ``window_steps`` and ``dwell_steps`` of the latest steps.
+        self.window_s, self.dwell_s = cfg.window_s, cfg.dwell_s
 
     def decide(self, now: float, s: Signals) -> Move | None:
         """The move to make now, or None."""
         cfg = self.cfg
+        self.window_s = max(cfg.window_s, cfg.window_steps * s.step_s)
+        self.dwell_s = max(cfg.dwell_s, cfg.dwell_steps * s.step_s, self.window_s)
         self.seen.append((now, s.trained_tokens_per_s))
-        while self.seen[0][0] < now - cfg.dwell_s:
+        while self.seen[0][0] < now - self.dwell_s:
             self.seen.popleft()
-        if now - self.last_move_at < cfg.dwell_s:
+        if now - self.last_move_at < self.dwell_s:
             return None
         if self.judging is not None:
             undo = self._judged(now, s)
@@ -210,7 +231,7 @@ class Controller:
         gain = s.trained_tokens_per_s / expected - 1
         if gain >= (cfg.min_gain if move.delta > 0 else -cfg.min_gain):
             return None
-        self.blocked_until[_direction(move)] = now + cfg.retry_dwells * cfg.dwell_s
+        self.blocked_until[_direction(move)] = now + cfg.retry_dwells * self.dwell_s
         return Move(
             -move.delta,
             f"undo {move.delta:+d}: trained tokens/s {s.trained_tokens_per_s:.0f}, "
@@ -222,9 +243,9 @@ class Controller:
         """Trained tokens/s per second (least squares) over the last dwell, counting only
         what was seen a window after the previous move (its transition left out); None
         until that spans a window."""
-        cfg = self.cfg
-        points = [(t, v) for t, v in self.seen if t >= self.last_move_at + cfg.window_s]
-        if len(points) < 2 or points[-1][0] - points[0][0] < cfg.window_s:
+        window = self.window_s
+        points = [(t, v) for t, v in self.seen if t >= self.last_move_at + window]
+        if len(points) < 2 or points[-1][0] - points[0][0] < window:
             return None
         mt = sum(t for t, _ in points) / len(points)
         mv = sum(v for _, v in points) / len(points)
@@ -256,9 +277,14 @@ class Controller:
                 f"{cfg.reward_busy_low:.0%} of their time",
                 "rewards",
             )
-        if s.trainer_idle > cfg.trainer_idle_high and s.generators < cfg.max_generators:
+        target = balanced_target(s)
+        # On shared slots a generator more is a trainer slot fewer: where the split the
+        # signals predict trains most is not above this one, the trainer's waits are the
+        # batches' slowest sequences, which more generators would not shorten.
+        beyond = s.trainer_slots <= 0 or target > s.generators
+        if s.trainer_idle > cfg.trainer_idle_high and s.generators < cfg.max_generators and beyond:
             room = cfg.max_generators - s.generators
-            step = min(cfg.max_step, room, max(1, balanced_target(s) - s.generators))
+            step = min(cfg.max_step, room, max(1, target - s.generators))
             yield Move(step, f"trainer idle {s.trainer_idle:.0%} > {cfg.trainer_idle_high:.0%}")
         if cfg.lend_waits and not s.lending and s.trainer_idle > cfg.trainer_idle_high:
             yield Move(
@@ -288,7 +314,7 @@ class Controller:
         if move.role != "generators" or s.trainer_slots <= 0 or self.cfg.move_cost_s <= 0:
             return True
         side = s.generators if move.delta > 0 else s.trainer_slots
-        return abs(move.delta) / max(side, 1) * self.cfg.dwell_s >= self.cfg.move_cost_s
+        return abs(move.delta) / max(side, 1) * self.dwell_s >= self.cfg.move_cost_s
 
     def _blocked_until(self, move: Move) -> float:
         """Until when ``move``'s role and direction wait after an undo."""
@@ -301,7 +327,7 @@ class Controller:
             self.judging = (move, before, self._trend(), now)
             if move.role == "rewards":  # kept, its reverse waits as an undone move's repeat
                 reverse = _direction(move._replace(delta=-move.delta))
-                self.blocked_until[reverse] = now + self.cfg.retry_dwells * self.cfg.dwell_s
+                self.blocked_until[reverse] = now + self.cfg.retry_dwells * self.dwell_s
         self.last_move_at = now
         return move
 

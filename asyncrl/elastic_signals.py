@@ -12,8 +12,9 @@ trainer just busy, and the whole generator count to move toward.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 
 class Signals(NamedTuple):
@@ -38,6 +39,9 @@ class Signals(NamedTuple):
     """Share of the reward servers' time spent scoring."""
     lending: bool = False
     """Whether the trainer lends its waits to a generator now (``lend_waits``)."""
+    step_s: float = 0.0
+    """Mean seconds per trainer step over the window (waiting included): what the
+    controller's window and dwell stretch to when steps grow long."""
 
 
 class StepRecord(NamedTuple):
@@ -67,7 +71,17 @@ def signals(
         ready_batches=ready_batches,
         trained_tokens_per_s=sum(s.tokens for s in steps) / wall,
         trainer_slots=trainer_slots,
+        step_s=wall / len(steps),
     )
+
+
+def windowed(steps: deque[tuple[float, Any]], now: float, window_s: float, least: int) -> float:
+    """Drop the oldest of ``steps`` ((time, step), oldest first) that lie more than
+    ``window_s`` before ``now``, keeping at least ``least`` of them; the seconds the
+    window spans now (``window_s``, or more where it stretched to keep ``least``)."""
+    while len(steps) > least and steps[0][0] < now - window_s:
+        steps.popleft()
+    return max(window_s, now - steps[0][0]) if steps else window_s
 
 
 def balanced(s: Signals) -> float:

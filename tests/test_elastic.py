@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import deque
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from asyncrl.elastic_signals import (
     balanced_target,
     predicted,
     signals,
+    windowed,
 )
 from asyncrl.launcher import elastic as elastic_loop
 from asyncrl.launcher.elastic import ElasticLoop
@@ -136,6 +138,21 @@ def test_on_shared_slots_the_target_is_the_whole_split_either_side_that_predicts
     assert balanced_target(s._replace(trainer_slots=0)) == round(12 / 0.55)
 
 
+def test_on_shared_slots_a_waiting_trainer_at_its_predicted_best_split_keeps_its_slots():
+    """6 generate, 2 train, the trainer idles 31%: the balance is 6.5, but at 7 the one
+    trainer slot left could take 0.72 of what it trains now, so 6 is the best whole split
+    and the trainer's waits (its batches' slowest sequences) get no generator. At idle
+    54% with 5 and 3, 6 predicts more: one more."""
+    s = Signals(6, trainer_idle=0.31, ready_batches=0.0, trained_tokens_per_s=1.0, trainer_slots=2)
+    assert balanced(s) == pytest.approx(6.5, abs=0.01) and balanced_target(s) == 6
+    cfg = replace(CFG, max_generators=7, max_step=8)
+    assert feed(Controller(cfg), 0, 60, s) == []
+    # Generators with cores of their own take nothing from the trainer: one more.
+    assert feed(Controller(cfg), 0, 60, s._replace(trainer_slots=0))[0][1].delta == 1
+    later = s._replace(generators=5, trainer_slots=3, trainer_idle=0.54)
+    assert balanced_target(later) == 6 and feed(Controller(cfg), 0, 60, later)[0][1].delta == 1
+
+
 def test_a_move_that_restarts_the_trainer_is_made_only_if_it_could_repay_the_restart():
     """With a 120 s restart and a 900 s dwell, one slot more for 12 generating slots can
     add at most 1/12 of generation, 75 s of a dwell: not made. Three more for eight can
@@ -163,10 +180,36 @@ def test_trained_tokens_per_s_are_over_the_steps_own_time():
     assert signals(2, [], 0.0).trained_tokens_per_s == 0.0
 
 
+def test_where_steps_outgrow_the_dwell_a_move_is_judged_on_dwell_steps_after_it():
+    """Steps of 40 s against a dwell of 60 s: a dwell of 5 steps (200 s) passes before
+    the next move or the judgement of the last, so a move is never judged on one step."""
+    c = Controller(CFG)  # dwell_steps 5, window_steps 2
+    slow = dict(trained_tokens_per_s=100.0, step_s=40.0, **WAITING)
+    [(at, first)] = feed(c, 0, 200, Signals(1, **slow))
+    assert at == 80 and first.delta == 1  # the trend needs a window of 2 steps (80 s)
+    slow["trained_tokens_per_s"] = 102.0  # +2%: it did not pay, judged a dwell later
+    [(at, undo)] = feed(c, 85, 400, Signals(2, **slow))
+    assert at == 80 + 5 * 40.0 and undo.delta == -1
+    c = Controller(replace(CFG, dwell_steps=1, window_steps=1))  # one step; 60 s dwell
+    [(at, first)] = feed(c, 0, 60, Signals(1, **{**slow, "trained_tokens_per_s": 100.0}))
+    [(at2, undo)] = feed(c, at + 5, 120, Signals(2, **slow))
+    assert (at, at2) == (40, 40 + 60) and undo.delta == -1
+
+
+def test_the_window_keeps_its_least_steps_however_old():
+    steps = deque((float(t), None) for t in (0, 100, 200, 290))
+    assert windowed(steps, now=300.0, window_s=30.0, least=2) == 300.0 - 200.0
+    assert [t for t, _ in steps] == [200.0, 290.0]
+    assert windowed(steps, now=300.0, window_s=30.0, least=1) == 30.0
+    assert [t for t, _ in steps] == [290.0]
+    assert signals(1, [StepRecord(40.0, 10.0, 4.0)] * 2, 0.0).step_s == 40.0
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
         (["num_generators=5"], "num_generators=5 is where an elastic run starts"),
+        (["elastic.window_steps=6"], "elastic.window_steps=6 must be at least 1 and at most"),
         (["elastic.min_generators=0"], "elastic.min_generators=0 must be at least 1"),
         (["elastic.window_s=90"], "elastic.window_s=90 must be above 0 and at most"),
         (["elastic.trainer_idle_low=0.5"], "elastic.trainer_idle_low=0.5 must be below"),

@@ -62,7 +62,9 @@ def test_a_judge_that_holds_the_trainer_up_takes_a_slot_from_generation():
     assert first["role"] == "rewards" and "waiting for a reward server" in first["reason"]
     assert (first["judge_slots"], first["generator_slots"]) == (2, 3)
     assert r.resize_s <= COSTS.resize_s * generator_moves(r.moves)
-    assert sim.judge_slots + sim.gen_slots + sim.train_slots == 8
+    # A generator given back in the last step waits in ``pending`` for the trainer's next
+    # step boundary, which a finished run does not reach.
+    assert sim.judge_slots + sim.gen_slots + sim.train_slots - sim.pending == 8
     assert sim.train_slots >= sim.fewest_training and sim.gen_slots >= 1
 
 

@@ -66,6 +66,9 @@ def add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     # to see several steps per window, where the launcher's defaults suit seconds.
     e.add_argument("--dwell-s", type=float, default=900.0)
     e.add_argument("--window-s", type=float, default=300.0)
+    defaults = ElasticConfig()
+    e.add_argument("--window-steps", type=int, default=defaults.window_steps)
+    e.add_argument("--dwell-steps", type=int, default=defaults.dwell_steps)
     e.add_argument("--max-step", type=int, default=8, help="most slots one move adds")
     e.add_argument(
         "--splits",
@@ -93,7 +96,17 @@ def run_elastic(args: argparse.Namespace) -> dict[str, Any]:
         )
     phases = Phases(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Phases)})
     costs = MoveCosts(**{f.name: getattr(args, f.name) for f in dataclasses.fields(MoveCosts)})
-    control = ElasticConfig(dwell_s=args.dwell_s, window_s=args.window_s, max_step=args.max_step)
+    control = ElasticConfig(
+        dwell_s=args.dwell_s,
+        window_s=args.window_s,
+        window_steps=args.window_steps,
+        dwell_steps=args.dwell_steps,
+        max_step=args.max_step,
+    )
+    try:
+        control.check(control.min_generators)
+    except ValueError as e:  # a setting of the command line that cannot work
+        raise SystemExit(str(e).replace("elastic.", "--").replace("_", "-")) from None
     w, gpu = workload_from_args(args), gpu_from_args(args.gpu)
     slots = (args.gpus // args.slot_gpus, args.slot_gpus)
     judge = Judge(args.verdict_tokens, args.judge_start) if args.verdict_tokens > 0 else None

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from asyncrl.config import from_dict
 from asyncrl.elastic import LENDING, Controller, ElasticConfig, Move
-from asyncrl.elastic_signals import Signals, StepRecord, signals
+from asyncrl.elastic_signals import Signals, StepRecord, signals, windowed
 from asyncrl.launcher.pool import GENERATORS, REWARDS, Role, RolePool, role_pools
 from asyncrl.launcher.supervise import Supervised, say
 from asyncrl.liveness import LendSwitch
@@ -170,9 +170,8 @@ class ElasticLoop:
                     self.busy.clear()  # a restarted buffer: its clock and count begin again
                 if "buffer/reward_model_busy_s" in record:
                     self.busy.append((record["time"], record["buffer/reward_model_busy_s"]))
-        while self.steps and self.steps[0][0] < now - self.cfg.window_s:
-            self.steps.popleft()
-        while len(self.busy) > 2 and self.busy[1][0] < self.busy[-1][0] - self.cfg.window_s:
+        window = windowed(self.steps, now, self.cfg.window_s, self.cfg.window_steps)
+        while len(self.busy) > 2 and self.busy[1][0] < self.busy[-1][0] - window:
             self.busy.popleft()  # keeps one record at or before the window's start
 
     def _signals(self, generators: int, reward_servers: int = 0) -> Signals:

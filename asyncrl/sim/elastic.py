@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.elastic import Controller, Move
-from asyncrl.elastic_signals import Signals, StepRecord, signals
+from asyncrl.elastic_signals import Signals, StepRecord, signals, windowed
 from asyncrl.sim.buffer import SimBuffer
 from asyncrl.sim.gpu import (
     GpuSpec,
@@ -292,14 +292,14 @@ class ElasticSimulation(Simulation):
         controller, once a window of training has passed and no move is under way."""
         if self.done:
             return
-        now, window = self.loop.now, self.controller.cfg.window_s
+        now, cfg = self.loop.now, self.controller.cfg
         self.ready.append((now, len(self.buffer.ready) / self.cfg.prompts_per_batch))
+        window = windowed(self.steps, now, cfg.window_s, cfg.window_steps)
         judged = self.server.judge.observe(window) if self._judged() else None
-        for kept in (self.steps, self.ready):
-            while kept and kept[0][0] < now - window:
-                kept.popleft()
+        while self.ready and self.ready[0][0] < now - window:
+            self.ready.popleft()
         trained = self.trainer.step_ends
-        if trained and now - trained[0][0] >= window and self.steps and not self.moving:
+        if trained and now - trained[0][0] >= cfg.window_s and self.steps and not self.moving:
             ready = sum(r for _, r in self.ready) / len(self.ready)
             steps = [step for _, step in self.steps]
             s = signals(self.gen_slots, steps, ready, self.train_slots)
