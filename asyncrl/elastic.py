@@ -36,7 +36,8 @@ The rule, one move at a time:
 - a move that restarts the trainer (where generators and trainer share slots) must be
   able to repay it: at best it speeds up the bottleneck side in proportion to the slots
   it gives that side (generation by ``delta / generators``, training by ``delta /
-  trainer_slots``), and that share of a dwell must reach ``move_cost_s``. Near the best
+  trainer_slots``), and that share of a dwell (or of what the run has left, if less)
+  must reach ``move_cost_s``. Near the best
   split of many slots a one-slot move cannot repay a restart, whatever the idle share
   says (the trainer still waits for batches there, between long-tail sequences);
 - nothing moves within a dwell of the last move (``dwell_s``, stretched to hold
@@ -310,11 +311,13 @@ class Controller:
 
     def _repays(self, move: Move, s: Signals) -> bool:
         """Whether ``move`` could repay a restart of the trainer within a dwell: at best it
-        speeds the side it gives slots to in proportion to them."""
+        speeds the side it gives slots to in proportion to them, and only while the run
+        lasts (a run that ends within a dwell gives it less than one)."""
         if move.role != "generators" or s.trainer_slots <= 0 or self.cfg.move_cost_s <= 0:
             return True
         side = s.generators if move.delta > 0 else s.trainer_slots
-        return abs(move.delta) / max(side, 1) * self.dwell_s >= self.cfg.move_cost_s
+        lasts = min(self.dwell_s, s.steps_left * s.step_s)
+        return abs(move.delta) / max(side, 1) * lasts >= self.cfg.move_cost_s
 
     def _blocked_until(self, move: Move) -> float:
         """Until when ``move``'s role and direction wait after an undo."""

@@ -42,6 +42,8 @@ class Signals(NamedTuple):
     step_s: float = 0.0
     """Mean seconds per trainer step over the window (waiting included): what the
     controller's window and dwell stretch to when steps grow long."""
+    steps_left: float = math.inf
+    """Trainer steps the run has still to make (inf where its length is not known)."""
 
 
 class StepRecord(NamedTuple):

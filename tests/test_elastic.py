@@ -166,6 +166,9 @@ def test_a_move_that_restarts_the_trainer_is_made_only_if_it_could_repay_the_res
     far = near._replace(generators=8, trainer_slots=8, trainer_idle=0.63)
     [(_, move)] = feed(Controller(replace(cfg, move_cost_s=120.0)), 0, 60, far)
     assert move.delta == 3  # 11: at 12 the trainer's four slots would take less
+    # Two steps of 50 s left: 3/8 of 100 s cannot repay the restart.
+    ending = far._replace(steps_left=2, step_s=50.0)
+    assert feed(Controller(replace(cfg, move_cost_s=120.0)), 0, 60, ending) == []
     # Generators that do not share the trainer's slots restart nothing.
     alone = near._replace(trainer_slots=0)
     assert feed(Controller(replace(cfg, move_cost_s=120.0)), 0, 60, alone)[0][1].delta > 0

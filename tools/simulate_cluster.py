@@ -62,13 +62,16 @@ def add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--seed", type=int, default=0)
     for f in dataclasses.fields(Phases) + dataclasses.fields(MoveCosts):
         e.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
-    # A step of a 7B policy on tens of GPUs takes minutes: the controller's clock is set
-    # to see several steps per window, where the launcher's defaults suit seconds.
-    e.add_argument("--dwell-s", type=float, default=900.0)
-    e.add_argument("--window-s", type=float, default=300.0)
-    defaults = ElasticConfig()
-    e.add_argument("--window-steps", type=int, default=defaults.window_steps)
-    e.add_argument("--dwell-steps", type=int, default=defaults.dwell_steps)
+    # A step of a 7B policy takes tens of seconds on 512 GPUs and minutes on 64, and grows
+    # as responses lengthen: the window and dwell are counted in steps (--window-steps,
+    # --dwell-steps), and these seconds are only their floor, where the launcher's
+    # defaults suit steps of a second.
+    e.add_argument("--dwell-s", type=float, default=180.0)
+    e.add_argument("--window-s", type=float, default=60.0)
+    # A window of three steps and a dwell of eight: a move on a cluster is judged on
+    # the trained tokens/s of a few large steps, and two steps swing too much for that.
+    e.add_argument("--window-steps", type=int, default=3)
+    e.add_argument("--dwell-steps", type=int, default=8)
     e.add_argument("--max-step", type=int, default=8, help="most slots one move adds")
     e.add_argument(
         "--splits",

@@ -303,6 +303,7 @@ class ElasticSimulation(Simulation):
             ready = sum(r for _, r in self.ready) / len(self.ready)
             steps = [step for _, step in self.steps]
             s = signals(self.gen_slots, steps, ready, self.train_slots)
+            s = s._replace(steps_left=self.phases.steps - self.trainer.step)
             if judged is not None:
                 batch = self.cfg.prompts_per_batch * self.cfg.samples_per_prompt
                 queue, busy = judged[0] / batch, judged[1]
