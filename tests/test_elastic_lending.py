@@ -32,7 +32,8 @@ from asyncrl.metrics import MetricsConfig, read_metrics
 from asyncrl.stages.rl_config import RLExperiment
 from tests.runs import assert_lent_drained, run_short_grpo
 from tests.test_drain import PROMPTS, _config, _prompts
-from tests.test_elastic import WAITING, _trainer_steps, feed
+from tests.test_elastic import WAITING, feed
+from tests.test_elastic_loop import _trainer_steps
 
 CFG = ElasticConfig(min_generators=1, max_generators=1, dwell_s=60.0, lend_waits=True)
 BUSY = dict(trainer_idle=0.0, ready_batches=0.0)
